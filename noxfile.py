@@ -1,0 +1,45 @@
+"""Developer sessions: tests, lint, typecheck, demo. Run them through ./dev (it bootstraps nox)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+# The CPU build of torch lies on these machines' disk; asking for it first keeps pip from
+# fetching a multi-GB CUDA build to satisfy the project's torch range.
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[dev]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite (integration tests start real processes)."""
+    _install(session)
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.17,<0.18")
+    session.run("ruff", "check", "src", "tests", "bench", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "bench", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    _install(session)
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main demo on an embedded cluster."""
+    _install(session)
+    session.run("python", "examples/two_jobs.py", *session.posargs)

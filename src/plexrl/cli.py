@@ -1,0 +1,156 @@
+"""The ``plexrl`` command: coordinator | worker | local | status | demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+
+from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Embedded children must not outlive the script that started them, even after SIGKILL."""
+    if parent_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(0)
+
+
+def _device(value: str) -> str:
+    if value == "cpu" or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"device {value!r} must be 'cpu' or 'cuda:N'")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest message accepted")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plexrl", description="Run many RL jobs on one shared set of accelerators.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("coordinator", help="run the shared coordinator")
+    p.add_argument("--bind", default="tcp://127.0.0.1:7400", help="endpoint to listen on (port 0 = any free port)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
+    p.add_argument("--policy", default="fifo", help="scheduling policy")
+    p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
+    _common(p)
+
+    p = sub.add_parser("worker", help="run a worker for one accelerator")
+    p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
+    p.add_argument("--name", default="", help="a name shown in `plexrl status`")
+    p.add_argument("--memory-budget-gb", type=float, default=8.0, help="device memory this worker may use")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _common(p)
+
+    p = sub.add_parser("local", help="run an embedded coordinator and workers until Ctrl-C")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--device", type=_device, default="cpu")
+    p.add_argument("--log-level", default="WARNING")
+
+    p = sub.add_parser("status", help="show a coordinator's workers and jobs")
+    p.add_argument("--coordinator", required=True)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "coordinator":
+        return _coordinator(args)
+    if args.command == "worker":
+        return _worker(args)
+    if args.command == "local":
+        return asyncio.run(_local(args))
+    if args.command == "status":
+        return asyncio.run(_status(args))
+    raise AssertionError(args.command)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from plexrl.coordinator.server import CoordinatorConfig, run_coordinator
+
+    _die_with_parent(args.parent_pid)
+    config = CoordinatorConfig(
+        bind=args.bind,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_liveness=args.heartbeat_liveness,
+        max_message_bytes=args.max_message_bytes,
+        policy=args.policy,
+    )
+
+    def ready(address: str) -> None:
+        if args.print_address:
+            print(address, flush=True)
+
+    asyncio.run(run_coordinator(config, ready))
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from plexrl.worker.server import WorkerConfig, run_worker
+
+    _die_with_parent(args.parent_pid)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = WorkerConfig(
+        coordinator=args.coordinator,
+        device=args.device,
+        name=args.name,
+        memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)),
+        max_message_bytes=args.max_message_bytes,
+    )
+    asyncio.run(run_worker(config))
+    return 0
+
+
+async def _local(args: argparse.Namespace) -> int:
+    from plexrl.client.local import LocalCluster
+
+    async with LocalCluster(args.workers, device=args.device, log_level=args.log_level) as cluster_client:
+        print(
+            f"plexrl embedded cluster with {args.workers} worker(s) at {cluster_client.address}; Ctrl-C to stop",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from plexrl.client.connection import Client
+
+    async with Client(args.coordinator, connect_timeout_s=10.0) as client:
+        st = await client.status()
+    print(f"coordinator {args.coordinator}  up {st.uptime_s:.0f} s")
+    print(f"{'worker':8} {'name':16} {'device':8} {'jobs':>4} {'calls':>7} {'busy_s':>8}")
+    for w in st.workers:
+        print(f"{w.worker_id:8} {w.name[:16]:16} {w.device:8} {len(w.jobs):>4} {w.calls_done:>7} {w.busy_s:>8.1f}")
+    print(f"{'job':24} {'worker':8} {'state':8} {'queued':>6} {'running':>7} {'calls':>7}")
+    for j in st.jobs:
+        print(f"{j.job_id[:24]:24} {j.worker_id:8} {j.state:8} {j.queued:>6} {j.running!s:>7} {j.calls_done:>7}")
+    return 0

@@ -1,0 +1,1 @@
+"""The library inside user scripts: connections, job handles, the embedded cluster."""

@@ -1,0 +1,225 @@
+"""A client's connection to a coordinator: requests as futures, replies matched by request id.
+
+Requests are sent the moment they are made (so one job's calls reach the coordinator in the
+order the script made them) and return an ``asyncio.Future``. A receive loop resolves futures;
+a heartbeat loop declares the coordinator lost after ``liveness`` silent intervals and fails
+every pending future with :class:`CoordinatorLostError`, so no await can hang forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from plexrl.errors import CoordinatorLostError, PlexError, from_wire
+from plexrl.protocol import calls
+from plexrl.protocol import messages as m
+from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
+
+log = logging.getLogger("plexrl.client")
+
+T = TypeVar("T")
+current_client: contextvars.ContextVar[Client | None] = contextvars.ContextVar("plexrl_client", default=None)
+
+
+class Client:
+    """``async with Client(address) as client:``; or ``plexrl.connect(address)``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str = "",
+        connect_timeout_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.name = name
+        self.connect_timeout_s = connect_timeout_s
+        self.client_id = ""
+        self._codec: Codec[m.CoordinatorToClient] = Codec(m.CoordinatorToClient, max_bytes=max_message_bytes)
+        self._rids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], Any]]] = {}
+        self._dead: PlexError | None = None
+        self._last_seen = time.monotonic()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._token: contextvars.Token[Client | None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Client:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="plexrl-client-receive")]
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                welcome: m.Welcome = await self.request(m.Hello(client_name=self.name), _expect(m.Welcome))
+        except TimeoutError:
+            await self._close(CoordinatorLostError("never connected"))
+            raise CoordinatorLostError(
+                f"no coordinator answered at {self.address} within {self.connect_timeout_s} s: start one with "
+                f"`plexrl coordinator --bind {self.address}`, or use plexrl.local() for an embedded cluster"
+            ) from None
+        except BaseException:
+            await self._close(CoordinatorLostError("never connected"))
+            raise
+        self.client_id = welcome.client_id
+        self._tasks.append(
+            asyncio.create_task(
+                self._heartbeat_loop(welcome.heartbeat_interval_s, welcome.heartbeat_liveness),
+                name="plexrl-client-heartbeat",
+            )
+        )
+        self._token = current_client.set(self)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._token is not None:
+            current_client.reset(self._token)
+            self._token = None
+        await self._close(CoordinatorLostError("the client was closed before the call finished"))
+
+    async def _close(self, err: PlexError) -> None:
+        self._fail_all(err)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, PlexError):
+                await t
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def request(self, msg: msgspec.Struct, unwrap: Callable[[Any], T]) -> asyncio.Future[T]:
+        """Send ``msg`` now (with a fresh request id) and return the future of its reply."""
+        if self._dead is not None:
+            raise type(self._dead)(self._dead.message)
+        if self._sock is None:
+            raise CoordinatorLostError("the client is not connected: use `async with plexrl.connect(...)`")
+        rid = next(self._rids)
+        frames = self._codec.encode(msgspec.structs.replace(msg, rid=rid))
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (fut, unwrap)
+        sent = self._sock.send_multipart(frames, copy=False)
+        assert isinstance(sent, asyncio.Future)  # zmq.asyncio sends return futures
+        sent.add_done_callback(lambda s: self._on_sent(rid, s))
+        return fut
+
+    def _on_sent(self, rid: int, sent: asyncio.Future[Any]) -> None:
+        if sent.cancelled() or sent.exception() is None:
+            return
+        entry = self._pending.pop(rid, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_exception(CoordinatorLostError(f"could not send to the coordinator: {sent.exception()}"))
+
+    def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
+        return self.request(m.Submit(job_id=job_id, call=call), _expect_result(result_type))
+
+    async def open_job(self, name: str, spec: calls.JobSpec) -> tuple[str, calls.Opened]:
+        done: m.CallDone = await self.request(m.OpenJob(name=name, spec=spec), _expect(m.CallDone))
+        if not isinstance(done.result, calls.Opened):
+            raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
+        return done.job_id, done.result
+
+    async def status(self, min_workers: int = 0) -> m.StatusReply:
+        """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""
+        return await self.request(m.StatusRequest(min_workers=min_workers), _expect(m.StatusReply))
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self._last_seen = time.monotonic()
+            try:
+                msg = self._codec.decode(frames)
+            except PlexError as e:
+                log.error("undecodable message from the coordinator: %s", e)
+                continue
+            if isinstance(msg, m.Heartbeat):
+                continue
+            entry = self._pending.pop(msg.rid, None)
+            if entry is None:
+                continue  # the caller gave up on it (cancelled)
+            fut, unwrap = entry
+            if fut.done():
+                continue
+            if isinstance(msg, m.ErrorReply):
+                fut.set_exception(from_wire(msg.code, msg.message))
+                continue
+            try:
+                fut.set_result(unwrap(msg))
+            except PlexError as e:
+                fut.set_exception(e)
+
+    async def _heartbeat_loop(self, interval: float, liveness: int) -> None:
+        assert self._sock is not None
+        while True:
+            await self._sock.send_multipart(self._codec.encode(m.Heartbeat()))
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self._last_seen
+            if silent > interval * liveness:
+                err = CoordinatorLostError(
+                    f"the coordinator at {self.address} has not answered for {silent:.1f} s; "
+                    "check that it is running, then reconnect"
+                )
+                self._dead = err
+                self._fail_all(err)
+                return
+
+    def _fail_all(self, err: PlexError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(type(err)(err.message))
+
+
+def _expect(t: type[T]) -> Callable[[Any], T]:
+    def unwrap(msg: Any) -> T:
+        if not isinstance(msg, t):
+            raise PlexError(f"expected {t.__name__} from the coordinator, got {type(msg).__name__}")
+        return msg
+
+    return unwrap
+
+
+def _expect_result(t: type[T]) -> Callable[[Any], T]:
+    def unwrap(msg: Any) -> T:
+        if not isinstance(msg, m.CallDone) or not isinstance(msg.result, t):
+            got = type(msg.result if isinstance(msg, m.CallDone) else msg).__name__
+            raise PlexError(f"expected {t.__name__} from the coordinator, got {got}")
+        return msg.result
+
+    return unwrap
+
+
+def connect(address: str, *, name: str = "", connect_timeout_s: float = 30.0) -> Client:
+    """Connect to a shared coordinator: ``async with plexrl.connect("tcp://head:7400"):``."""
+    return Client(address, name=name, connect_timeout_s=connect_timeout_s)

@@ -1,0 +1,172 @@
+"""A job handle: its calls are submitted at once and execute in submission order.
+
+``job.forward_backward(...)`` returns a future immediately, so a script may submit
+``forward_backward`` and ``optim_step`` before awaiting either (Tinker's pipelining).
+``plexrl.job(...)`` opens a job, makes it the current one for ``plexrl.generate`` and friends,
+and closes it on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from plexrl.client.connection import Client, current_client
+from plexrl.errors import NoJobContextError, PlexError
+from plexrl.protocol import calls
+from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, SamplingParams
+
+current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("plexrl_job", default=None)
+
+R = TypeVar("R")
+Prompts = Ragged | Sequence[Sequence[int] | np.ndarray]
+
+
+class Optimized(msgspec.Struct, frozen=True):
+    """What ``optimize`` did: the loss of the batch and the optimizer step it applied."""
+
+    loss: float
+    num_tokens: int
+    step: int
+    grad_norm: float
+    metrics: dict[str, float]
+
+
+class Job:
+    def __init__(self, client: Client, job_id: str, name: str, spec: calls.JobSpec, opened: calls.Opened) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.name = name
+        self.spec = spec
+        self.trainable_params = opened.trainable_params
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Job({self.job_id!r}, model={self.spec.model!r})"
+
+    def generate(self, prompts: Prompts, params: SamplingParams | None = None) -> asyncio.Future[calls.Generated]:
+        """Sample ``params.n`` completions per prompt (token ids) with the sampler's weights."""
+        params = params or SamplingParams()
+        params.validate()
+        rows = prompts if isinstance(prompts, Ragged) else Ragged.from_rows(prompts, "int32")
+        return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated)
+
+    def logprobs(self, tokens: Prompts) -> asyncio.Future[calls.LogprobsResult]:
+        rows = tokens if isinstance(tokens, Ragged) else Ragged.from_rows(tokens, "int32")
+        return self._submit(calls.Logprobs(tokens=rows), calls.LogprobsResult)
+
+    def forward_backward(
+        self, batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None
+    ) -> asyncio.Future[calls.ForwardBackwardResult]:
+        """Accumulate the gradient of ``loss`` on ``batch``; applied by the next ``optim_step``."""
+        batch.validate(loss)
+        call = calls.ForwardBackward(batch=batch, loss=loss, loss_config=loss_config or LossConfig())
+        return self._submit(call, calls.ForwardBackwardResult)
+
+    def optim_step(self) -> asyncio.Future[calls.OptimStepResult]:
+        return self._submit(calls.OptimStep(), calls.OptimStepResult)
+
+    async def optimize(self, batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None) -> Optimized:
+        """``forward_backward`` then ``optim_step``, both submitted before either is awaited."""
+        fb = self.forward_backward(batch, loss, loss_config)
+        step = self.optim_step()
+        fb_result, step_result = await asyncio.gather(fb, step)
+        return Optimized(
+            fb_result.loss, fb_result.num_tokens, step_result.step, step_result.grad_norm, fb_result.metrics
+        )
+
+    def sync_weights(self) -> asyncio.Future[calls.Synced]:
+        """Publish the trainer's weights to the sampler (weight version + 1)."""
+        return self._submit(calls.SyncWeights(), calls.Synced)
+
+    def save(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Saved]:
+        """Checkpoint trainer weights and optimizer state atomically to ``path`` on the worker's host."""
+        return self._submit(calls.Save(path=os.path.abspath(path)), calls.Saved)
+
+    def load(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Loaded]:
+        return self._submit(calls.Load(path=os.path.abspath(path)), calls.Loaded)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.client.submit(self.job_id, calls.Close(), calls.Closed)
+
+    def _submit(self, call: calls.Call, result_type: type[R]) -> asyncio.Future[R]:
+        return self.client.submit(self.job_id, call, result_type)
+
+
+@asynccontextmanager
+async def job(
+    name: str,
+    model: str | os.PathLike[str],
+    *,
+    lora: LoRA | None = LoRA(),
+    optimizer: AdamW = AdamW(),
+    seed: int = 0,
+    client: Client | None = None,
+) -> AsyncIterator[Job]:
+    """Open a job on the current client (``plexrl.local`` / ``plexrl.connect``), close it on exit.
+
+    ``lora=None`` trains a full copy of the model instead of an adapter.
+    """
+    client = client or current_client.get()
+    if client is None:
+        raise NoJobContextError(
+            "plexrl.job(...) needs a cluster: wrap it in `async with plexrl.local():` or plexrl.connect(...)"
+        )
+    model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
+    spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed)
+    job_id, opened = await client.open_job(name, spec)
+    handle = Job(client, job_id, name, spec, opened)
+    token = current_job.set(handle)
+    try:
+        yield handle
+    except BaseException:
+        current_job.reset(token)
+        with contextlib.suppress(PlexError):  # the body's error is the one to report
+            await handle.close()
+        raise
+    current_job.reset(token)
+    await handle.close()
+
+
+def _current() -> Job:
+    handle = current_job.get()
+    if handle is None:
+        raise NoJobContextError(
+            "no current job: call this inside `async with plexrl.job(...)`, or use the explicit job.generate(...) form"
+        )
+    return handle
+
+
+def generate(prompts: Prompts, params: SamplingParams | None = None) -> asyncio.Future[calls.Generated]:
+    """``generate`` on the job of the enclosing ``async with plexrl.job(...)``."""
+    return _current().generate(prompts, params)
+
+
+async def optimize(batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None) -> Optimized:
+    """``forward_backward`` + ``optim_step`` on the current job."""
+    return await _current().optimize(batch, loss, loss_config)
+
+
+def forward_backward(
+    batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None
+) -> asyncio.Future[calls.ForwardBackwardResult]:
+    return _current().forward_backward(batch, loss, loss_config)
+
+
+def optim_step() -> asyncio.Future[calls.OptimStepResult]:
+    return _current().optim_step()
+
+
+def sync_weights() -> asyncio.Future[calls.Synced]:
+    return _current().sync_weights()

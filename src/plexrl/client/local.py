@@ -1,0 +1,141 @@
+"""An embedded cluster: a coordinator and workers as child processes of this script.
+
+It is the shared deployment's code on one machine, not a separate path: the same
+``plexrl coordinator`` and ``plexrl worker`` commands over loopback TCP. Children are torn down
+on exit, on error and on Ctrl-C, and die with this process if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from types import TracebackType
+from typing import Any
+
+from plexrl.client.connection import Client
+from plexrl.errors import LocalClusterError
+
+log = logging.getLogger("plexrl.local")
+
+
+class LocalCluster:
+    """``async with plexrl.local(workers=2) as client:`` starts, connects, and tears down."""
+
+    def __init__(
+        self,
+        workers: int = 1,
+        *,
+        device: str = "cpu",
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_liveness: int = 5,
+        start_timeout_s: float = 180.0,
+        threads_per_worker: int | None = None,
+        log_level: str = "WARNING",
+        max_message_bytes: int | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
+        self.workers = workers
+        self.device = device
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_liveness = heartbeat_liveness
+        self.start_timeout_s = start_timeout_s
+        self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        self.log_level = log_level
+        self.max_message_bytes = max_message_bytes
+        self.address = ""
+        self.coordinator: asyncio.subprocess.Process | None = None
+        self.worker_processes: list[asyncio.subprocess.Process] = []
+        self.client: Client | None = None
+
+    def _command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "plexrl", *args, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+
+    async def __aenter__(self) -> Client:
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                await self._start()
+        except TimeoutError:
+            await self._stop()
+            raise LocalClusterError(
+                f"the embedded cluster did not start within {self.start_timeout_s} s; see the workers' logs above"
+            ) from None
+        except BaseException:
+            await self._stop()
+            raise
+        assert self.client is not None
+        return self.client
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._stop()
+
+    async def _start(self) -> None:
+        extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
+        self.coordinator = await asyncio.create_subprocess_exec(
+            *self._command(
+                "coordinator",
+                "--bind", "tcp://127.0.0.1:0",
+                "--print-address",
+                "--heartbeat-interval", str(self.heartbeat_interval_s),
+                "--heartbeat-liveness", str(self.heartbeat_liveness),
+                *extra,
+            ),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert self.coordinator.stdout is not None
+        line = await self.coordinator.stdout.readline()
+        if not line.startswith(b"tcp://"):
+            raise LocalClusterError(f"the coordinator did not start (exit code {await self.coordinator.wait()})")
+        self.address = line.decode().strip()
+        for i in range(self.workers):
+            cmd = self._command(
+                "worker",
+                "--coordinator", self.address,
+                "--device", self.device,
+                "--name", f"local-{i}",
+                "--threads", str(self.threads_per_worker),
+                *extra,
+            )  # fmt: skip
+            self.worker_processes.append(await asyncio.create_subprocess_exec(*cmd))
+        self.client = Client(self.address)
+        await self.client.__aenter__()
+        ready = asyncio.ensure_future(self.client.status(min_workers=self.workers))
+        exits = [asyncio.ensure_future(p.wait()) for p in [self.coordinator, *self.worker_processes]]
+        try:
+            done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in exits:
+                f.cancel()
+        if ready not in done:
+            ready.cancel()
+            raise LocalClusterError("a process of the embedded cluster exited while starting; see its log above")
+        log.info("embedded cluster ready at %s with %d workers", self.address, self.workers)
+
+    async def _stop(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.__aexit__(None, None, None)
+        procs = [p for p in [*self.worker_processes, self.coordinator] if p is not None and p.returncode is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), timeout=10.0)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+        self.worker_processes = []
+        self.coordinator = None
+
+
+def local(workers: int = 1, **options: Any) -> LocalCluster:
+    """An embedded cluster for this script: ``async with plexrl.local(workers=2):``.
+
+    ``options`` are those of :class:`LocalCluster` (device, heartbeats, start timeout, ...).
+    """
+    return LocalCluster(workers, **options)

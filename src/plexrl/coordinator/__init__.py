@@ -1,0 +1,1 @@
+"""The coordinator: job registry, placement, call queues and the scheduler."""

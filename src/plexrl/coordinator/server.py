@@ -1,0 +1,394 @@
+"""The coordinator process: one asyncio loop, one ROUTER socket, the scheduler behind one seam.
+
+Clients and workers are DEALER peers of the same ROUTER. Each inbound message is decoded,
+checked (ownership, job state, call validity) and turned into scheduler events; the actions the
+scheduler returns are carried out here and nowhere else. The coordinator does no tensor math:
+arrays in calls and results pass through as zero-copy frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from plexrl.coordinator import scheduler as sch
+from plexrl.errors import (
+    CoordinatorLostError,
+    InvalidRequestError,
+    JobClosedError,
+    NotJobOwnerError,
+    PlexError,
+    UnknownJobError,
+    WorkerLostError,
+)
+from plexrl.protocol import calls
+from plexrl.protocol import messages as m
+from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
+
+log = logging.getLogger("plexrl.coordinator")
+
+_JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass
+class _WorkerRecord:
+    ident: bytes
+    worker_id: str
+    info: m.Register
+    last_seen: float
+    calls_done: int = 0
+
+
+@dataclass
+class _JobRecord:
+    job_id: str
+    name: str
+    owner: bytes
+    worker_id: str
+    state: str = "open"  # "open" -> "closing" -> removed; or "lost"
+    calls_done: int = 0
+
+
+@dataclass
+class _CallRecord:
+    call_id: int
+    job_id: str
+    client: bytes
+    client_rid: int
+    call: calls.Call
+    worker_id: str | None = None  # set on dispatch
+
+
+@dataclass
+class _Waiter:
+    client: bytes
+    rid: int
+    min_workers: int
+
+
+@dataclass
+class CoordinatorConfig:
+    bind: str = "tcp://127.0.0.1:7400"
+    heartbeat_interval_s: float = 1.0
+    heartbeat_liveness: int = 5  # a peer silent for this many intervals is dead
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    policy: str = "fifo"
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+
+class Coordinator:
+    """Serve until :meth:`stop`; ``address`` is the bound endpoint once ``serve`` has started."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.address = ""
+        self._now = config.clock
+        self._started = self._now()
+        self._codec: Codec[m.ToCoordinator] = Codec(m.ToCoordinator, max_bytes=config.max_message_bytes)
+        self._scheduler = sch.Scheduler(config.policy)
+        self._workers: dict[str, _WorkerRecord] = {}
+        self._worker_by_ident: dict[bytes, str] = {}
+        self._jobs: dict[str, _JobRecord] = {}
+        self._calls: dict[int, _CallRecord] = {}
+        self._waiters: list[_Waiter] = []
+        self._call_ids = itertools.count(1)
+        self._worker_ids = itertools.count(0)
+        self._job_ids = itertools.count(1)
+        self._stopping = asyncio.Event()
+        self._sock: zmq.asyncio.Socket | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Hard per-frame cap (the peer is disconnected above it); the soft limit below it gets a
+        # typed error reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.bind(re.sub(r":0$", ":*", self.config.bind))
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        log.info("coordinator listening on %s", self.address)
+        if on_ready is not None:
+            on_ready(self.address)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._receive_loop()), tg.create_task(self._liveness_loop())]
+                await self._stopping.wait()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            self._fail_everything()
+            sock.close(linger=0)
+            ctx.term()
+            log.info("coordinator stopped")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _fail_everything(self) -> None:
+        err = CoordinatorLostError("the coordinator shut down before the call finished")
+        for rec in list(self._calls.values()):
+            self._reply_error(rec.client, rec.client_rid, err)
+        self._calls.clear()
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            ident, body = frames[0].bytes, frames[1:]
+            try:
+                msg = self._codec.decode(body)
+            except PlexError as e:
+                log.warning("bad message from %s: %s", ident.hex(), e)
+                self._reply_error(ident, rid_of(e), e)
+                continue
+            try:
+                self._on_message(ident, msg)
+            except PlexError as e:
+                self._reply_error(ident, msg.rid, e)
+
+    async def _liveness_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        deadline = interval * self.config.heartbeat_liveness
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = self._now()
+            for rec in list(self._workers.values()):
+                if now - rec.last_seen > deadline:
+                    self._lose_worker(rec, f"no heartbeat for {now - rec.last_seen:.1f} s")
+
+    # -- inbound --------------------------------------------------------------------------------
+
+    def _on_message(self, ident: bytes, msg: m.ToCoordinator) -> None:
+        worker_id = self._worker_by_ident.get(ident)
+        if worker_id is not None:
+            self._workers[worker_id].last_seen = self._now()
+        match msg:
+            case m.Heartbeat(rid=rid):
+                self._send(ident, m.Heartbeat(rid=rid))
+            case m.Hello(rid=rid):
+                interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
+                self._send(
+                    ident,
+                    m.Welcome(
+                        rid=rid, client_id=ident.hex(), heartbeat_interval_s=interval, heartbeat_liveness=liveness
+                    ),
+                )
+            case m.Register():
+                self._register_worker(ident, msg)
+            case m.OpenJob():
+                self._open_job(ident, msg)
+            case m.Submit():
+                self._submit(ident, msg)
+            case m.StatusRequest(rid=rid, min_workers=n):
+                if len(self._workers) >= n:
+                    self._send(ident, self._status(rid))
+                else:
+                    self._waiters.append(_Waiter(ident, rid, n))
+            case m.CallDone() | m.ErrorReply():
+                if worker_id is None:
+                    log.warning(
+                        "dropping %s from %s, which is not a registered worker", type(msg).__name__, ident.hex()
+                    )
+                    return
+                self._on_call_outcome(worker_id, msg)
+
+    def _register_worker(self, ident: bytes, msg: m.Register) -> None:
+        old = self._worker_by_ident.get(ident)
+        if old is not None:  # a worker that lost us and came back: its old state is gone
+            self._lose_worker(self._workers[old], "worker re-registered")
+        worker_id = f"w{next(self._worker_ids)}"
+        self._workers[worker_id] = _WorkerRecord(ident, worker_id, msg, self._now())
+        self._worker_by_ident[ident] = worker_id
+        log.info("worker %s registered: %s on %s (pid %d)", worker_id, msg.name, msg.device, msg.pid)
+        interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
+        self._send(
+            ident,
+            m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
+        )
+        self._apply(sch.WorkerJoined(worker_id))
+        for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
+            self._waiters.remove(w)
+            self._send(w.client, self._status(w.rid))
+
+    def _open_job(self, ident: bytes, msg: m.OpenJob) -> None:
+        if not _JOB_NAME.match(msg.name):
+            raise InvalidRequestError(
+                f"job name {msg.name!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+            )
+        job_id = f"{msg.name}-{next(self._job_ids)}"
+        call_id = next(self._call_ids)
+        self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec))
+        for action in self._scheduler.handle(sch.JobOpened(job_id), self._now()):
+            if isinstance(action, sch.Place):
+                self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id)
+                self._apply(sch.CallSubmitted(call_id, job_id, "open"))
+            else:
+                self._carry_out(action if action.call_id is not None else sch.Fail(job_id, call_id, action.error))
+
+    def _submit(self, ident: bytes, msg: m.Submit) -> None:
+        job = self._jobs.get(msg.job_id)
+        if job is None:
+            raise UnknownJobError(f"no job {msg.job_id!r} on this coordinator: open one with plexrl.job(...) first")
+        if job.owner != ident:
+            raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another client; a client may only use its own jobs")
+        if job.state == "closing":
+            raise JobClosedError(f"job {msg.job_id!r} is closed: open a new job to keep going")
+        if isinstance(msg.call, calls.Open):
+            raise InvalidRequestError("jobs are opened with OpenJob, not by submitting an Open call")
+        _validate(msg.call)
+        if job.state == "lost":
+            raise WorkerLostError(f"job {msg.job_id!r} lost its worker; open it again and load its last checkpoint")
+        if isinstance(msg.call, calls.Close):
+            job.state = "closing"
+        call_id = next(self._call_ids)
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call)
+        self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)]))
+
+    def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
+        rec = self._calls.get(msg.rid)
+        if rec is None or rec.worker_id != worker_id:
+            log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
+            return
+        del self._calls[msg.rid]
+        self._workers[worker_id].calls_done += 1
+        job = self._jobs.get(rec.job_id)
+        if job is not None:
+            job.calls_done += 1
+        if isinstance(msg, m.CallDone):
+            self._send(
+                rec.client,
+                m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=msg.result, compute_s=msg.compute_s),
+            )
+        else:
+            self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
+        self._apply(sch.CallFinished(rec.call_id))
+        opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
+        if isinstance(rec.call, calls.Close) or opening_failed:
+            self._jobs.pop(rec.job_id, None)
+            self._apply(sch.JobClosed(rec.job_id))
+
+    # -- scheduler seam -------------------------------------------------------------------------
+
+    def _apply(self, event: sch.Event) -> None:
+        for action in self._scheduler.handle(event, self._now()):
+            self._carry_out(action)
+
+    def _carry_out(self, action: sch.Action) -> None:
+        match action:
+            case sch.Dispatch(call_id, worker_id):
+                rec = self._calls[call_id]
+                rec.worker_id = worker_id
+                self._send(self._workers[worker_id].ident, m.Execute(rid=call_id, job_id=rec.job_id, call=rec.call))
+            case sch.Fail(job_id, call_id, error):
+                failed = self._calls.pop(call_id, None) if call_id is not None else None
+                if failed is not None:
+                    self._reply_error(failed.client, failed.client_rid, error)
+                if failed is not None and isinstance(failed.call, calls.Open):
+                    self._jobs.pop(job_id, None)
+                    self._scheduler.handle(sch.JobClosed(job_id), self._now())
+            case sch.Place():
+                raise AssertionError("placement happens only when a job opens")
+
+    def _lose_worker(self, rec: _WorkerRecord, reason: str) -> None:
+        log.warning("worker %s (%s) lost: %s", rec.worker_id, rec.info.name, reason)
+        del self._workers[rec.worker_id]
+        self._worker_by_ident.pop(rec.ident, None)
+        for job in self._jobs.values():
+            if job.worker_id == rec.worker_id:
+                job.state = "lost"
+        self._apply(sch.WorkerLost(rec.worker_id, reason))
+
+    # -- outbound -------------------------------------------------------------------------------
+
+    def _send(self, ident: bytes, msg: msgspec.Struct) -> None:
+        assert self._sock is not None
+        try:
+            frames = self._codec.encode(msg)
+        except PlexError as e:  # a result too large for the wire: tell the client instead
+            frames = self._codec.encode(m.ErrorReply(rid=getattr(msg, "rid", 0), code=e.code, message=e.message))
+        fut = self._sock.send_multipart([ident, *frames], copy=False)
+        assert isinstance(fut, asyncio.Future)  # zmq.asyncio sends return futures
+        fut.add_done_callback(lambda f: _log_send_failure(f, ident))
+
+    def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
+        self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
+
+    def _status(self, rid: int) -> m.StatusReply:
+        now = self._now()
+        workers = [
+            m.WorkerInfo(
+                worker_id=w.worker_id,
+                name=w.info.name,
+                device=w.info.device,
+                engines=w.info.engines,
+                memory_budget_bytes=w.info.memory_budget_bytes,
+                jobs=sorted(j.job_id for j in self._jobs.values() if j.worker_id == w.worker_id),
+                calls_done=w.calls_done,
+                busy_s=self._scheduler.busy_s(w.worker_id, now),
+            )
+            for w in self._workers.values()
+        ]
+        jobs = [
+            m.JobInfo(
+                job_id=j.job_id,
+                name=j.name,
+                owner=j.owner.hex(),
+                worker_id=j.worker_id,
+                queued=self._scheduler.queued(j.job_id),
+                running=self._scheduler.is_running(j.job_id),
+                calls_done=j.calls_done,
+                state=j.state,
+            )
+            for j in self._jobs.values()
+        ]
+        return m.StatusReply(rid=rid, workers=workers, jobs=jobs, uptime_s=now - self._started)
+
+
+def _validate(call: calls.Call) -> None:
+    """Reject bad calls here, before they take a place in a job's queue."""
+    match call:
+        case calls.Generate(prompts=prompts, params=params):
+            params.validate()
+            prompts.check("prompts")
+        case calls.ForwardBackward(batch=batch, loss=loss):
+            batch.validate(loss)
+        case calls.Logprobs(tokens=tokens):
+            tokens.check("tokens")
+        case calls.Save(path=path) | calls.Load(path=path) if not path:
+            raise InvalidRequestError("save/load need a non-empty path")
+
+
+def _log_send_failure(fut: asyncio.Future[object], ident: bytes) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:  # EHOSTUNREACH: the peer disconnected; its liveness check will notice
+        log.warning("could not send to %s: %s", ident.hex(), exc)
+
+
+async def run_coordinator(config: CoordinatorConfig, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then fail in-flight calls and exit cleanly."""
+    import signal
+
+    coordinator = Coordinator(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, coordinator.stop)
+    await coordinator.serve(on_ready)

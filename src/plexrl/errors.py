@@ -1,0 +1,139 @@
+"""Typed errors: every failure a user can see, each saying what to fix.
+
+Errors cross process boundaries as ``ErrorInfo(code, message)`` and are rebuilt on the other
+side with :func:`from_wire`, so a worker's ``BatchShapeError`` reaches the user's script as a
+``BatchShapeError``. "A call failed" (:class:`CallFailedError`, the job is still usable) is
+distinct from "a process is gone" (:class:`WorkerLostError`, :class:`CoordinatorLostError`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "BatchShapeError",
+    "CallFailedError",
+    "CoordinatorLostError",
+    "InvalidSamplingParamsError",
+    "JobClosedError",
+    "LocalClusterError",
+    "MalformedMessageError",
+    "MessageTooLargeError",
+    "ModelNotFoundError",
+    "NoJobContextError",
+    "NoWorkersError",
+    "NotJobOwnerError",
+    "PlexError",
+    "ProtocolVersionError",
+    "UnknownJobError",
+    "WorkerLostError",
+    "from_wire",
+]
+
+
+class PlexError(Exception):
+    """Base of every plexrl error; ``code`` is its stable wire name."""
+
+    code: ClassVar[str] = "plex_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# -- bad input: the caller must change something ---------------------------------------------
+
+
+class InvalidRequestError(PlexError, ValueError):
+    code = "invalid_request"
+
+
+class MalformedMessageError(InvalidRequestError):
+    code = "malformed_message"
+
+
+class MessageTooLargeError(InvalidRequestError):
+    code = "message_too_large"
+
+
+class ProtocolVersionError(InvalidRequestError):
+    code = "protocol_version"
+
+
+class ModelNotFoundError(InvalidRequestError):
+    code = "model_not_found"
+
+
+class UnknownJobError(InvalidRequestError, KeyError):
+    code = "unknown_job"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class JobClosedError(InvalidRequestError):
+    code = "job_closed"
+
+
+class NotJobOwnerError(InvalidRequestError, PermissionError):
+    code = "not_job_owner"
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    code = "invalid_sampling_params"
+
+
+class BatchShapeError(InvalidRequestError):
+    code = "batch_shape"
+
+
+class NoJobContextError(PlexError, RuntimeError):
+    """A module-level call (``plexrl.generate``) made outside ``async with plexrl.job(...)``."""
+
+    code = "no_job_context"
+
+
+# -- the service cannot do it right now ------------------------------------------------------
+
+
+class NoWorkersError(PlexError):
+    code = "no_workers"
+
+
+class CallFailedError(PlexError, RuntimeError):
+    """The engine raised while executing the call; the job and the worker are still usable."""
+
+    code = "call_failed"
+
+
+class WorkerLostError(PlexError, ConnectionError):
+    """The worker executing (or holding the state for) this call stopped answering."""
+
+    code = "worker_lost"
+
+
+class CoordinatorLostError(PlexError, ConnectionError):
+    """The coordinator stopped answering heartbeats, or shut down."""
+
+    code = "coordinator_lost"
+
+
+class LocalClusterError(PlexError, RuntimeError):
+    """The embedded cluster (``plexrl.local``) could not start."""
+
+    code = "local_cluster"
+
+
+def _all_subclasses(cls: type[PlexError]) -> list[type[PlexError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[PlexError]] = {c.code: c for c in _all_subclasses(PlexError)}
+
+
+def from_wire(code: str, message: str) -> PlexError:
+    """Rebuild the typed error named by ``code``; unknown codes become a plain ``PlexError``."""
+    return _BY_CODE.get(code, PlexError)(message)

@@ -1,0 +1,148 @@
+"""The calls a job makes and their results: what a worker's engine executes.
+
+A call travels client -> coordinator (inside ``Submit``) -> worker (inside ``Execute``)
+unchanged, and its result travels back the same way. New fields get defaults and go last.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
+
+
+class JobSpec(msgspec.Struct, frozen=True):
+    """What a job trains: a base model, a LoRA adapter on it (or a full copy), an optimizer."""
+
+    model: str  # path of a transformers model directory on the worker's host
+    lora: LoRA | None = LoRA()  # None = full fine-tune (a private copy of the base weights)
+    optimizer: AdamW = AdamW()
+    seed: int = 0
+
+
+# -- calls ------------------------------------------------------------------------------------
+
+
+class Open(msgspec.Struct, tag="open", frozen=True):
+    """Create the job's state on its home worker (the first call of every job)."""
+
+    spec: JobSpec
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True):
+    prompts: Ragged  # int32 token ids
+    params: SamplingParams = SamplingParams()
+
+
+class Logprobs(msgspec.Struct, tag="logprobs", frozen=True):
+    """Per-token logprobs of ``tokens[1:]`` under the trainer's current weights."""
+
+    tokens: Ragged  # int32
+
+
+class ForwardBackward(msgspec.Struct, tag="forward_backward", frozen=True):
+    batch: Batch
+    loss: str = "grpo"
+    loss_config: LossConfig = LossConfig()
+
+
+class OptimStep(msgspec.Struct, tag="optim_step", frozen=True):
+    pass
+
+
+class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
+    """Publish the trainer's weights to the sampler; the weight version goes up by one."""
+
+
+class Save(msgspec.Struct, tag="save", frozen=True):
+    path: str
+
+
+class Load(msgspec.Struct, tag="load", frozen=True):
+    path: str
+
+
+class Close(msgspec.Struct, tag="close", frozen=True):
+    """Free the job's state on its worker (the last call of every job)."""
+
+
+Call = Open | Generate | Logprobs | ForwardBackward | OptimStep | SyncWeights | Save | Load | Close
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+class Opened(msgspec.Struct, tag="opened", frozen=True):
+    weight_version: int
+    trainable_params: int
+    total_params: int
+
+
+class Generated(msgspec.Struct, tag="generated", frozen=True):
+    """Completions in prompt-major order: ``n`` rows for prompt 0, then ``n`` for prompt 1, ..."""
+
+    tokens: Ragged  # int32, completion only
+    logprobs: Ragged  # float32, the sampler's logprob of each sampled token
+    prompt_index_B: np.ndarray  # int32
+    finish_reasons: list[str]
+    weight_version: int
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [
+            Sample(int(i), self.tokens[k], self.logprobs[k], self.finish_reasons[k], self.weight_version)
+            for k, i in enumerate(self.prompt_index_B)
+        ]
+
+    def groups(self) -> list[list[Sample]]:
+        """The samples of each prompt, in prompt order (a GRPO group per prompt)."""
+        out: dict[int, list[Sample]] = {}
+        for s in self.samples:
+            out.setdefault(s.prompt_index, []).append(s)
+        return [out[i] for i in sorted(out)]
+
+
+class LogprobsResult(msgspec.Struct, tag="logprobs_result", frozen=True):
+    logprobs: Ragged  # float32, len(tokens_i) - 1 per row
+
+
+class ForwardBackwardResult(msgspec.Struct, tag="forward_backward_result", frozen=True):
+    loss: float
+    num_tokens: int
+    metrics: dict[str, float] = {}
+
+
+class OptimStepResult(msgspec.Struct, tag="optim_step_result", frozen=True):
+    step: int  # optimizer steps applied so far
+    grad_norm: float
+
+
+class Synced(msgspec.Struct, tag="synced", frozen=True):
+    weight_version: int
+
+
+class Saved(msgspec.Struct, tag="saved", frozen=True):
+    path: str
+    weight_version: int
+    step: int
+
+
+class Loaded(msgspec.Struct, tag="loaded", frozen=True):
+    path: str
+    weight_version: int
+    step: int
+
+
+class Closed(msgspec.Struct, tag="closed", frozen=True):
+    pass
+
+
+Result = (
+    Opened | Generated | LogprobsResult | ForwardBackwardResult | OptimStepResult | Synced | Saved | Loaded | Closed
+)
+
+CALL_KIND: dict[type, str] = {
+    t: str(t.__struct_config__.tag)
+    for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, Save, Load, Close)
+}

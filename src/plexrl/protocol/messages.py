@@ -1,0 +1,137 @@
+"""Wire messages: one tagged union per direction between clients, the coordinator and workers.
+
+Every message carries the protocol version ``v`` and a request id ``rid``. A reply reuses the
+request's ``rid``; the coordinator's ``Execute`` uses its own call id as ``rid``, and the
+worker's reply echoes it. Evolution rule (msgspec): new fields get defaults and go last.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from plexrl.protocol.calls import Call, JobSpec, Result
+
+PROTOCOL_VERSION = 1
+
+
+class Envelope(msgspec.Struct, kw_only=True, tag_field="type", frozen=True):
+    v: int = PROTOCOL_VERSION
+    rid: int = 0
+
+
+class Header(msgspec.Struct):
+    """The part of every message that is read before the typed decode."""
+
+    v: int
+    rid: int = 0
+
+
+# -- shared by several directions --------------------------------------------------------------
+
+
+class Heartbeat(Envelope, tag="heartbeat", frozen=True):
+    """Sent every interval by clients and workers; the coordinator answers each one."""
+
+
+class CallDone(Envelope, tag="call_done", frozen=True):
+    job_id: str
+    result: Result
+    compute_s: float = 0.0  # seconds the worker's engine spent on the call
+
+
+class ErrorReply(Envelope, tag="error", frozen=True):
+    code: str  # a plexrl.errors code
+    message: str
+
+
+# -- client -> coordinator ---------------------------------------------------------------------
+
+
+class Hello(Envelope, tag="hello", frozen=True):
+    client_name: str = ""
+
+
+class OpenJob(Envelope, tag="open_job", frozen=True):
+    """Create a job; answered by ``CallDone(result=Opened)`` naming the new job id."""
+
+    name: str
+    spec: JobSpec
+
+
+class Submit(Envelope, tag="submit", frozen=True):
+    job_id: str
+    call: Call
+
+
+class StatusRequest(Envelope, tag="status", frozen=True):
+    min_workers: int = 0  # answer only once at least this many workers are registered
+
+
+# -- coordinator -> client ---------------------------------------------------------------------
+
+
+class Welcome(Envelope, tag="welcome", frozen=True):
+    client_id: str
+    heartbeat_interval_s: float
+    heartbeat_liveness: int
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    worker_id: str
+    name: str
+    device: str
+    engines: list[str]
+    memory_budget_bytes: int
+    jobs: list[str]
+    calls_done: int
+    busy_s: float
+
+
+class JobInfo(msgspec.Struct, frozen=True):
+    job_id: str
+    name: str
+    owner: str
+    worker_id: str
+    queued: int
+    running: bool
+    calls_done: int
+    state: str  # "open", "closing", "lost"
+
+
+class StatusReply(Envelope, tag="status_reply", frozen=True):
+    workers: list[WorkerInfo]
+    jobs: list[JobInfo]
+    uptime_s: float
+
+
+# -- worker -> coordinator ---------------------------------------------------------------------
+
+
+class Register(Envelope, tag="register", frozen=True):
+    name: str
+    device: str
+    engines: list[str]
+    memory_budget_bytes: int
+    pid: int
+
+
+# -- coordinator -> worker ---------------------------------------------------------------------
+
+
+class Registered(Envelope, tag="registered", frozen=True):
+    worker_id: str
+    heartbeat_interval_s: float
+    heartbeat_liveness: int
+
+
+class Execute(Envelope, tag="execute", frozen=True):
+    job_id: str
+    call: Call
+
+
+ClientToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat
+CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat
+WorkerToCoordinator = Register | CallDone | ErrorReply | Heartbeat
+CoordinatorToWorker = Registered | Execute | Heartbeat
+# The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
+ToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat | Register | CallDone | ErrorReply
