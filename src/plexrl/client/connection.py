@@ -14,7 +14,6 @@ import contextvars
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from plexrl.errors import CoordinatorLostError, PlexError, from_wire
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
+from plexrl.protocol.liveness import Liveness
 
 log = logging.getLogger("plexrl.client")
 
@@ -53,7 +53,7 @@ class Client:
         self._rids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], Any]]] = {}
         self._dead: PlexError | None = None
-        self._last_seen = time.monotonic()
+        self._liveness: Liveness | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -157,7 +157,8 @@ class Client:
         assert self._sock is not None
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            self._last_seen = time.monotonic()
+            if self._liveness is not None:
+                self._liveness.heard()
             try:
                 msg = self._codec.decode(frames)
             except PlexError as e:
@@ -181,14 +182,14 @@ class Client:
 
     async def _heartbeat_loop(self, interval: float, liveness: int) -> None:
         assert self._sock is not None
+        self._liveness = live = Liveness(liveness)
         while True:
             await self._sock.send_multipart(self._codec.encode(m.Heartbeat()))
             await asyncio.sleep(interval)
-            silent = time.monotonic() - self._last_seen
-            if silent > interval * liveness:
+            if not live.tick():
                 err = CoordinatorLostError(
-                    f"the coordinator at {self.address} has not answered for {silent:.1f} s; "
-                    "check that it is running, then reconnect"
+                    f"the coordinator at {self.address} has not answered for {liveness} heartbeats "
+                    f"({interval * liveness:.1f} s); check that it is running, then reconnect"
                 )
                 self._dead = err
                 self._fail_all(err)

@@ -33,6 +33,7 @@ from plexrl.errors import (
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
+from plexrl.protocol.liveness import Liveness
 
 log = logging.getLogger("plexrl.coordinator")
 
@@ -44,7 +45,7 @@ class _WorkerRecord:
     ident: bytes
     worker_id: str
     info: m.Register
-    last_seen: float
+    liveness: Liveness
     calls_done: int = 0
 
 
@@ -165,20 +166,19 @@ class Coordinator:
 
     async def _liveness_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
-        deadline = interval * self.config.heartbeat_liveness
         while True:
-            await asyncio.sleep(interval / 2)
-            now = self._now()
+            await asyncio.sleep(interval)
             for rec in list(self._workers.values()):
-                if now - rec.last_seen > deadline:
-                    self._lose_worker(rec, f"no heartbeat for {now - rec.last_seen:.1f} s")
+                if not rec.liveness.tick():
+                    self._lose_worker(rec, f"no heartbeat for {rec.liveness.liveness} intervals of {interval} s")
 
     # -- inbound --------------------------------------------------------------------------------
 
     def _on_message(self, ident: bytes, msg: m.ToCoordinator) -> None:
+        log.debug("%s from %s (rid %d)", type(msg).__name__, ident.hex(), msg.rid)
         worker_id = self._worker_by_ident.get(ident)
         if worker_id is not None:
-            self._workers[worker_id].last_seen = self._now()
+            self._workers[worker_id].liveness.heard()
         match msg:
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid))
@@ -214,7 +214,7 @@ class Coordinator:
         if old is not None:  # a worker that lost us and came back: its old state is gone
             self._lose_worker(self._workers[old], "worker re-registered")
         worker_id = f"w{next(self._worker_ids)}"
-        self._workers[worker_id] = _WorkerRecord(ident, worker_id, msg, self._now())
+        self._workers[worker_id] = _WorkerRecord(ident, worker_id, msg, Liveness(self.config.heartbeat_liveness))
         self._worker_by_ident[ident] = worker_id
         log.info("worker %s registered: %s on %s (pid %d)", worker_id, msg.name, msg.device, msg.pid)
         interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
@@ -253,6 +253,11 @@ class Coordinator:
         if isinstance(msg.call, calls.Open):
             raise InvalidRequestError("jobs are opened with OpenJob, not by submitting an Open call")
         _validate(msg.call)
+        if job.state == "lost" and isinstance(msg.call, calls.Close):  # nothing left to free
+            del self._jobs[job.job_id]
+            self._apply(sch.JobClosed(job.job_id))
+            self._send(ident, m.CallDone(rid=msg.rid, job_id=job.job_id, result=calls.Closed()))
+            return
         if job.state == "lost":
             raise WorkerLostError(f"job {msg.job_id!r} lost its worker; open it again and load its last checkpoint")
         if isinstance(msg.call, calls.Close):
@@ -342,6 +347,7 @@ class Coordinator:
                 jobs=sorted(j.job_id for j in self._jobs.values() if j.worker_id == w.worker_id),
                 calls_done=w.calls_done,
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
+                pid=w.info.pid,
             )
             for w in self._workers.values()
         ]

@@ -85,6 +85,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     jobs: list[str]
     calls_done: int
     busy_s: float
+    pid: int = 0
 
 
 class JobInfo(msgspec.Struct, frozen=True):

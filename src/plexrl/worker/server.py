@@ -23,6 +23,7 @@ from plexrl.errors import CallFailedError, PlexError
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
+from plexrl.protocol.liveness import Liveness
 
 log = logging.getLogger("plexrl.worker")
 
@@ -91,12 +92,12 @@ class Worker:
             reg = await self._register(sock)
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
             queue: asyncio.Queue[m.Execute] = asyncio.Queue()
-            last_seen = [time.monotonic()]
+            live = Liveness(reg.heartbeat_liveness)
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(self._receive_loop(sock, queue, last_seen)),
+                    tg.create_task(self._receive_loop(sock, queue, live)),
                     tg.create_task(self._execute_loop(sock, queue, engine)),
-                    tg.create_task(self._heartbeat_loop(sock, reg, last_seen)),
+                    tg.create_task(self._heartbeat_loop(sock, reg, live)),
                 ]
                 stop = tg.create_task(self._stopping.wait())
                 _done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -129,12 +130,10 @@ class Worker:
         except TimeoutError:
             raise _CoordinatorLost(f"no answer to registration within {self.config.register_timeout_s} s") from None
 
-    async def _receive_loop(
-        self, sock: zmq.asyncio.Socket, queue: asyncio.Queue[m.Execute], last_seen: list[float]
-    ) -> None:
+    async def _receive_loop(self, sock: zmq.asyncio.Socket, queue: asyncio.Queue[m.Execute], live: Liveness) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
-            last_seen[0] = time.monotonic()
+            live.heard()
             try:
                 msg = self._codec.decode(frames)
             except PlexError as e:
@@ -166,14 +165,12 @@ class Worker:
                 frames = self._codec.encode(m.ErrorReply(rid=ex.rid, code=e.code, message=e.message))
             await sock.send_multipart(frames, copy=False)
 
-    async def _heartbeat_loop(self, sock: zmq.asyncio.Socket, reg: m.Registered, last_seen: list[float]) -> None:
-        deadline = reg.heartbeat_interval_s * reg.heartbeat_liveness
+    async def _heartbeat_loop(self, sock: zmq.asyncio.Socket, reg: m.Registered, live: Liveness) -> None:
         while True:
             await sock.send_multipart(self._codec.encode(m.Heartbeat()), copy=False)
             await asyncio.sleep(reg.heartbeat_interval_s)
-            silent = time.monotonic() - last_seen[0]
-            if silent > deadline:
-                raise _CoordinatorLost(f"no message from the coordinator for {silent:.1f} s")
+            if not live.tick():
+                raise _CoordinatorLost(f"no message from the coordinator for {live.liveness} heartbeats")
 
 
 async def run_worker(config: WorkerConfig) -> None:

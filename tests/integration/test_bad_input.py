@@ -1,0 +1,149 @@
+"""Bad input gets a typed error (or is dropped when no reply is possible), and the coordinator
+keeps serving everyone else. A raw DEALER socket plays the misbehaving client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+import plexrl
+from plexrl.client.connection import Client
+from plexrl.errors import (
+    BatchShapeError,
+    InvalidSamplingParamsError,
+    ModelNotFoundError,
+    UnknownJobError,
+)
+from plexrl.protocol import calls
+from plexrl.protocol import messages as m
+from plexrl.protocol.codec import Codec
+from plexrl.types import Batch, Ragged, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LIMIT = 1 << 20  # the cluster's message size limit for this module
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tiny_model: Path) -> AsyncIterator[Client]:
+    async with plexrl.local(workers=1, heartbeat_interval_s=0.5, max_message_bytes=LIMIT) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def raw(cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+async def _reply(sock: zmq.asyncio.Socket, timeout_s: float = 10.0) -> m.CoordinatorToClient | None:
+    try:
+        frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
+    except TimeoutError:
+        return None
+    return Codec(m.CoordinatorToClient).decode(frames)
+
+
+def _send(sock: zmq.asyncio.Socket, msg: msgspec.Struct) -> None:
+    sock.send_multipart(Codec(m.ToCoordinator, max_bytes=1 << 30).encode(msg))
+
+
+async def _still_serving(cluster: Client) -> None:
+    status = await cluster.status()
+    assert len(status.workers) == 1
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"\xc1garbage"], "malformed_message"),
+        ([msgspec.msgpack.encode({"type": "hello", "v": 99, "rid": 5})], "protocol_version"),
+        ([msgspec.msgpack.encode({"type": "no_such_message", "v": 1, "rid": 6})], "malformed_message"),
+        ([msgspec.msgpack.encode({"type": "submit", "v": 1, "rid": 7, "job_id": 3})], "malformed_message"),
+    ],
+)
+async def test_undecodable_messages_get_a_typed_error(
+    cluster: Client, raw: zmq.asyncio.Socket, frames: list[bytes], code: str
+) -> None:
+    raw.send_multipart(frames)
+    reply = await _reply(raw)
+    assert isinstance(reply, m.ErrorReply) and reply.code == code
+    await _still_serving(cluster)
+
+
+async def test_an_oversized_message_gets_an_error_and_a_huge_one_is_dropped(
+    cluster: Client, raw: zmq.asyncio.Socket
+) -> None:
+    over = np.zeros(LIMIT // 4 + 16, np.int32)  # a little over the limit
+    _send(raw, m.Submit(rid=8, job_id="x", call=calls.Logprobs(tokens=Ragged.from_rows([over], "int32"))))
+    reply = await _reply(raw)
+    assert isinstance(reply, m.ErrorReply) and reply.code == "message_too_large" and reply.rid == 8
+    huge = np.zeros(3 * LIMIT // 4, np.int32)  # over the hard cap: the peer is cut off, no reply
+    _send(raw, m.Submit(rid=9, job_id="x", call=calls.Logprobs(tokens=Ragged.from_rows([huge], "int32"))))
+    assert await _reply(raw, timeout_s=1.5) is None
+    await _still_serving(cluster)
+
+
+async def test_calls_on_unknown_or_foreign_jobs_are_refused(
+    cluster: Client, raw: zmq.asyncio.Socket, tiny_model: Path
+) -> None:
+    _send(raw, m.Submit(rid=10, job_id="nope-1", call=calls.SyncWeights()))
+    reply = await _reply(raw)
+    assert isinstance(reply, m.ErrorReply) and reply.code == "unknown_job"
+    async with plexrl.job("mine", model=tiny_model) as job:
+        _send(raw, m.Submit(rid=11, job_id=job.job_id, call=calls.SyncWeights()))
+        reply = await _reply(raw)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "not_job_owner"
+        assert (await job.sync_weights()).weight_version == 1  # the owner's job was untouched
+    with pytest.raises(UnknownJobError):
+        await cluster.submit("nope-2", calls.SyncWeights(), calls.Synced)
+
+
+async def test_invalid_calls_are_refused_before_they_reach_a_worker(
+    cluster: Client, raw: zmq.asyncio.Socket, tiny_model: Path
+) -> None:
+    async with plexrl.job("strict", model=tiny_model) as job:
+        with pytest.raises(InvalidSamplingParamsError, match="top_p"):
+            job.generate([[1, 2]], SamplingParams(top_p=2.0))
+        bad = Batch(tokens=Ragged.from_rows([[1, 2, 3]], "int32"), prompt_lens_B=np.array([1, 1], np.int32))
+        with pytest.raises(BatchShapeError, match="prompt_lens_B"):
+            job.forward_backward(bad, loss="cross_entropy")
+        # The same kind of bad call sent raw is refused by the coordinator with the same typed error.
+        _send(raw, m.OpenJob(rid=12, name="raw", spec=calls.JobSpec(model=str(tiny_model))))
+        opened = await _reply(raw)
+        assert isinstance(opened, m.CallDone) and isinstance(opened.result, calls.Opened)
+        bad_params = {
+            "type": "generate",
+            "prompts": {"values": ["<i4", [1], 0], "offsets": ["<i8", [2], 1]},
+            "params": {"n": 0},
+        }
+        body = msgspec.msgpack.encode(
+            {"type": "submit", "v": 1, "rid": 13, "job_id": opened.job_id, "call": bad_params}
+        )
+        raw.send_multipart([body, np.array([1], np.int32).tobytes(), np.array([0, 1], np.int64).tobytes()])
+        reply = await _reply(raw)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "invalid_sampling_params" and reply.rid == 13
+        # Token ids outside the vocabulary are caught by the worker.
+        with pytest.raises(BatchShapeError):
+            await job.generate([[1, 10_000]])
+        assert (await job.generate([[1, 2]], SamplingParams(max_tokens=2))).weight_version == 0
+
+
+async def test_an_unknown_model_path_is_a_typed_error(cluster: Client, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="nothing-here"):
+        async with plexrl.job("ghost", model=tmp_path / "nothing-here"):
+            pass
+    await _still_serving(cluster)
