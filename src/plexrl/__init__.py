@@ -23,6 +23,7 @@ from plexrl.protocol.calls import (
     Saved,
     Synced,
 )
+from plexrl.rollout import group_advantages, grpo_batch
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
 
 __version__ = "0.1.0"
@@ -50,6 +51,8 @@ __all__ = [
     "errors",
     "forward_backward",
     "generate",
+    "group_advantages",
+    "grpo_batch",
     "job",
     "local",
     "optim_step",

@@ -114,6 +114,11 @@ class Client:
             self._ctx.term()
             self._ctx = None
 
+    @property
+    def lost(self) -> bool:
+        """True once the coordinator shut down or stopped answering heartbeats."""
+        return self._dead is not None
+
     # -- requests -------------------------------------------------------------------------------
 
     def request(self, msg: msgspec.Struct, unwrap: Callable[[Any], T]) -> asyncio.Future[T]:
@@ -165,6 +170,10 @@ class Client:
                 log.error("undecodable message from the coordinator: %s", e)
                 continue
             if isinstance(msg, m.Heartbeat):
+                continue
+            if isinstance(msg, m.Shutdown):
+                self._dead = CoordinatorLostError(f"{msg.reason} ({self.address})")
+                self._fail_all(self._dead)
                 continue
             entry = self._pending.pop(msg.rid, None)
             if entry is None:

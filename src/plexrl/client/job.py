@@ -95,7 +95,8 @@ class Job:
         return self._submit(calls.Load(path=os.path.abspath(path)), calls.Loaded)
 
     async def close(self) -> None:
-        if self._closed:
+        """Free the job's state on its worker. A no-op once the coordinator is gone (so is the job)."""
+        if self._closed or self.client.lost:
             return
         self._closed = True
         await self.client.submit(self.job_id, calls.Close(), calls.Closed)

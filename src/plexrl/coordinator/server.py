@@ -101,6 +101,7 @@ class Coordinator:
         self._jobs: dict[str, _JobRecord] = {}
         self._calls: dict[int, _CallRecord] = {}
         self._waiters: list[_Waiter] = []
+        self._clients: set[bytes] = set()
         self._call_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
@@ -145,6 +146,8 @@ class Coordinator:
         for rec in list(self._calls.values()):
             self._reply_error(rec.client, rec.client_rid, err)
         self._calls.clear()
+        for ident in [*self._clients, *self._worker_by_ident]:
+            self._send(ident, m.Shutdown(reason="the coordinator shut down"))
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -183,6 +186,7 @@ class Coordinator:
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid))
             case m.Hello(rid=rid):
+                self._clients.add(ident)
                 interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
                 self._send(
                     ident,

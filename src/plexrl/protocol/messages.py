@@ -39,6 +39,12 @@ class CallDone(Envelope, tag="call_done", frozen=True):
     compute_s: float = 0.0  # seconds the worker's engine spent on the call
 
 
+class Shutdown(Envelope, tag="shutdown", frozen=True):
+    """The coordinator is going away: fail what is pending now instead of waiting for heartbeats."""
+
+    reason: str
+
+
 class ErrorReply(Envelope, tag="error", frozen=True):
     code: str  # a plexrl.errors code
     message: str
@@ -131,8 +137,8 @@ class Execute(Envelope, tag="execute", frozen=True):
 
 
 ClientToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat
-CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat
+CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat | Shutdown
 WorkerToCoordinator = Register | CallDone | ErrorReply | Heartbeat
-CoordinatorToWorker = Registered | Execute | Heartbeat
+CoordinatorToWorker = Registered | Execute | Heartbeat | Shutdown
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
 ToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat | Register | CallDone | ErrorReply

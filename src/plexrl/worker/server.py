@@ -141,6 +141,8 @@ class Worker:
                 continue
             if isinstance(msg, m.Execute):
                 queue.put_nowait(msg)
+            elif isinstance(msg, m.Shutdown):
+                raise _CoordinatorLost(msg.reason)
 
     async def _execute_loop(
         self, sock: zmq.asyncio.Socket, queue: asyncio.Queue[m.Execute], engine: CallEngine

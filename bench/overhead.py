@@ -1,0 +1,83 @@
+"""What plexrl adds to a call: client -> coordinator -> worker -> back, against the same call
+made directly on the engine in this process.
+
+    python bench/overhead.py [--calls 300]
+
+Blocks of direct and service calls alternate so drift hits both alike. Prints a table per call
+kind and, last, ``overhead_ms_p50=<number>``: the larger of the per-kind p50 differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import plexrl
+from plexrl.models import write_random_model
+from plexrl.protocol import calls
+from plexrl.types import Batch, LossConfig, Ragged, SamplingParams
+from plexrl.worker.engine import Engine
+
+PROMPTS = Ragged.from_rows([[1, 5, 6, 7]], "int32")
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+BATCH = Batch(
+    tokens=Ragged.from_rows([[1, 5, 6, 7, 8, 9, 10, 11]] * 2, "int32"), prompt_lens_B=np.array([3, 3], np.int32)
+)
+CALLS: dict[str, calls.Call] = {
+    "generate": calls.Generate(prompts=PROMPTS, params=PARAMS),
+    "forward_backward": calls.ForwardBackward(batch=BATCH, loss="cross_entropy", loss_config=LossConfig()),
+}
+
+
+def _ms(xs: list[float]) -> tuple[float, float]:
+    a = np.array(xs) * 1e3
+    return float(np.percentile(a, 50)), float(np.percentile(a, 90))
+
+
+async def main(n_calls: int, block: int) -> None:
+    model = write_random_model(Path(tempfile.mkdtemp()) / "tiny")
+    spec = calls.JobSpec(model=str(model))
+    engine = Engine()
+    engine.execute("direct", calls.Open(spec=spec))
+    direct: dict[str, list[float]] = {k: [] for k in CALLS}
+    service: dict[str, list[float]] = {k: [] for k in CALLS}
+    async with plexrl.local(workers=1) as client, plexrl.job("bench", model=model) as job:
+        for kind, call in CALLS.items():  # warm-up both paths
+            for _ in range(10):
+                engine.execute("direct", call)
+                await client.submit(
+                    job.job_id, call, calls.Generated if kind == "generate" else calls.ForwardBackwardResult
+                )
+        for start in range(0, n_calls, block):
+            for kind, call in CALLS.items():
+                rtype = calls.Generated if kind == "generate" else calls.ForwardBackwardResult
+                for _ in range(min(block, n_calls - start)):
+                    t0 = time.perf_counter()
+                    engine.execute("direct", call)
+                    direct[kind].append(time.perf_counter() - t0)
+                for _ in range(min(block, n_calls - start)):
+                    t0 = time.perf_counter()
+                    await client.submit(job.job_id, call, rtype)
+                    service[kind].append(time.perf_counter() - t0)
+    print(
+        f"{'call':18} {'direct p50':>11} {'plexrl p50':>11} {'added p50':>10} {'direct p90':>11} {'plexrl p90':>11}  (ms, {n_calls} calls each)"
+    )
+    added = []
+    for kind in CALLS:
+        (d50, d90), (s50, s90) = _ms(direct[kind]), _ms(service[kind])
+        added.append(s50 - d50)
+        print(f"{kind:18} {d50:>11.3f} {s50:>11.3f} {s50 - d50:>10.3f} {d90:>11.3f} {s90:>11.3f}")
+    print(f"overhead_ms_p50={max(added):.3f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--block", type=int, default=50)
+    args = parser.parse_args()
+    asyncio.run(main(args.calls, args.block))

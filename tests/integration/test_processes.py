@@ -1,0 +1,47 @@
+"""The commands as an operator runs them: `plexrl local`, `plexrl status`, and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import plexrl
+from plexrl.errors import CoordinatorLostError
+
+
+async def _plexrl(*args: str, stdout: int | None = asyncio.subprocess.PIPE) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(sys.executable, "-m", "plexrl", *args, stdout=stdout)
+
+
+async def test_plexrl_local_serves_status_and_stops_on_ctrl_c() -> None:
+    local = await _plexrl("local", "--workers", "1")
+    assert local.stdout is not None
+    async with asyncio.timeout(120):
+        banner = (await local.stdout.readline()).decode()
+        address = re.search(r"tcp://[0-9.]+:\d+", banner)
+        assert address, banner
+        status = await _plexrl("status", "--coordinator", address.group())
+        out, _ = await status.communicate()
+        assert status.returncode == 0
+        assert "local-0" in out.decode()
+        local.send_signal(signal.SIGINT)
+        assert await local.wait() == 0
+
+
+async def test_a_terminated_coordinator_fails_in_flight_calls_and_exits_cleanly(tiny_model: Path) -> None:
+    cluster = plexrl.local(workers=1)
+    async with cluster, plexrl.job("cut-short", model=tiny_model) as job:
+        long_call = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=8, max_tokens=200))
+        assert cluster.client is not None
+        await cluster.client.status()  # answered after the call above was dispatched
+        assert cluster.coordinator is not None
+        cluster.coordinator.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            with pytest.raises(CoordinatorLostError, match="shut down"):
+                await long_call
+            assert await cluster.coordinator.wait() == 0
