@@ -1,0 +1,77 @@
+"""The in-process compute engine of a worker: a table of open jobs and one entry point, ``execute``.
+
+``execute`` is synchronous and not thread-safe: the worker server runs it on one dedicated
+executor thread, one call at a time. Typed plexrl errors mean the caller must change something;
+anything else propagates as-is and the server reports it as a failed call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plexrl.errors import InvalidRequestError, UnknownJobError
+from plexrl.protocol.calls import (
+    Call,
+    Close,
+    ForwardBackward,
+    Generate,
+    JobSpec,
+    Load,
+    Logprobs,
+    Open,
+    Opened,
+    OptimStep,
+    Result,
+    Save,
+    SyncWeights,
+)
+from plexrl.worker.models import ModelCache
+from plexrl.worker.trainer.full import FullWeights
+from plexrl.worker.trainer.job import Job, Weights, check_spec
+from plexrl.worker.trainer.lora import LoraWeights
+
+
+class Engine:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._models = ModelCache(self.device)
+        self._jobs: dict[str, Job] = {}
+
+    def job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    def execute(self, job_id: str, call: Call) -> Result:
+        if isinstance(call, Open):
+            return self._open(job_id, call.spec)
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
+        match call:
+            case Generate(prompts=prompts, params=params):
+                return job.generate(prompts, params)
+            case Logprobs(tokens=tokens):
+                return job.logprobs(tokens)
+            case ForwardBackward(batch=batch, loss=loss, loss_config=config):
+                return job.forward_backward(batch, loss, config)
+            case OptimStep():
+                return job.optim_step()
+            case SyncWeights():
+                return job.sync_weights()
+            case Save(path=path):
+                return job.save(path)
+            case Load(path=path):
+                return job.load(path)
+            case Close():
+                del self._jobs[job_id]
+                return job.close()
+        raise InvalidRequestError(f"the engine cannot execute {type(call).__name__} calls")
+
+    def _open(self, job_id: str, spec: JobSpec) -> Opened:
+        if job_id in self._jobs:
+            raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
+        check_spec(spec)
+        base = self._models.get(spec.model)
+        weights: Weights = FullWeights(base) if spec.lora is None else LoraWeights(base, spec.lora, spec.seed)
+        job = Job(spec, base, weights)
+        self._jobs[job_id] = job
+        return job.opened()

@@ -1,0 +1,1 @@
+"""Samplers: engines that generate completions with per-token logprobs."""

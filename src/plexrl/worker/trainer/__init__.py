@@ -1,0 +1,1 @@
+"""Trainers: per-job weights, optimizers, losses and checkpoints."""

@@ -1,0 +1,36 @@
+"""Full fine-tune weights of one job: a private trainable copy of the base and a sampler copy.
+
+The shared base stays frozen and untouched (it is the KL reference); ``sync_weights`` copies the
+trainer copy's parameters into the sampler copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from plexrl.worker.models import BaseModel
+
+
+class FullWeights:
+    kind = "full"
+
+    def __init__(self, base: BaseModel) -> None:
+        self.trainer: Any = base.copy().requires_grad_(True)
+        self.sampler: Any = base.copy().requires_grad_(False).eval()
+        # named_parameters() lists tied weights (embeddings / lm_head) once, under one name.
+        self.trainer_params: dict[str, nn.Parameter] = dict(self.trainer.named_parameters())
+        self.sampler_params: dict[str, nn.Parameter] = dict(self.sampler.named_parameters())
+        self.total_params = sum(p.numel() for p in self.trainer_params.values())
+
+    def trainer_model(self, train: bool) -> nn.Module:
+        return self.trainer.train(train)
+
+    def sampler_model(self) -> nn.Module:
+        return self.sampler.eval()
+
+    def close(self) -> None:
+        self.trainer = self.sampler = None
+        self.trainer_params = {}
+        self.sampler_params = {}

@@ -1,0 +1,277 @@
+"""One job's state on a worker and the calls on it, the same for LoRA and full fine-tune jobs.
+
+A job is a pair of weights (trainer and sampler: ``LoraWeights`` or ``FullWeights``), its own
+AdamW over the trainer weights, and three counters: optimizer steps, the sampler's
+``weight_version`` and generate calls (for per-call seeds).
+
+Gradient accumulation: each ``forward_backward`` backpropagates the *sum* of its per-token losses
+and adds its token count to ``pending_tokens``; ``optim_step`` divides the gradients by
+``pending_tokens`` before clipping and stepping. So a step follows the token-level mean over all
+tokens accumulated since the last step, and two half-batch calls step exactly like one call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from plexrl.errors import BatchShapeError, CallFailedError, InvalidRequestError, InvalidSamplingParamsError
+from plexrl.protocol.calls import (
+    Closed,
+    ForwardBackwardResult,
+    Generated,
+    JobSpec,
+    Loaded,
+    LogprobsResult,
+    Opened,
+    OptimStepResult,
+    Saved,
+    Synced,
+)
+from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
+from plexrl.worker.models import BaseModel
+from plexrl.worker.sampler import hf
+from plexrl.worker.trainer import checkpoint
+from plexrl.worker.trainer.losses import check_loss_config, compute_loss, token_logprobs
+
+
+class Weights(Protocol):
+    """What a job trains and samples with: ``LoraWeights`` or ``FullWeights``."""
+
+    kind: str
+    trainer_params: dict[str, nn.Parameter]
+    sampler_params: dict[str, nn.Parameter]  # same names and shapes as trainer_params
+    total_params: int
+
+    def trainer_model(self, train: bool) -> nn.Module: ...
+    def sampler_model(self) -> nn.Module: ...
+    def close(self) -> None: ...
+
+
+def check_spec(spec: JobSpec) -> None:
+    """Raise ``InvalidRequestError`` unless the optimizer settings are usable."""
+    o = spec.optimizer
+    problems = []
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        problems.append(f"lr={o.lr} must be a finite number > 0")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        problems.append(f"betas={o.betas} must be two numbers in [0, 1)")
+    if not o.eps > 0:
+        problems.append(f"eps={o.eps} must be > 0")
+    if not o.weight_decay >= 0:
+        problems.append(f"weight_decay={o.weight_decay} must be >= 0")
+    if o.grad_clip is not None and not o.grad_clip > 0:
+        problems.append(f"grad_clip={o.grad_clip} must be > 0, or None for no clipping")
+    if problems:
+        raise InvalidRequestError("invalid AdamW: " + "; ".join(problems))
+
+
+class Job:
+    """One open job: its weights, its optimizer and its counters; one method per call kind."""
+
+    def __init__(self, spec: JobSpec, base: BaseModel, weights: Weights) -> None:
+        self.spec = spec
+        self.base = base
+        self.weights = weights
+        self.optimizer = _new_optimizer(weights, spec.optimizer)
+        self.step = 0
+        self.weight_version = 0
+        self.generate_calls = 0
+        self.pending_tokens = 0  # completion tokens whose gradients await optim_step
+        self._publish(weights.trainer_params)
+
+    def opened(self) -> Opened:
+        trainable = sum(p.numel() for p in self.weights.trainer_params.values())
+        return Opened(weight_version=0, trainable_params=trainable, total_params=self.weights.total_params)
+
+    def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
+        params.validate()
+        self.base.check_tokens(prompts, "prompts", min_len=1, extra_positions=params.max_tokens)
+        bad = [t for t in params.stop_token_ids if t >= self.base.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(
+                f"stop_token_ids {bad} are outside the vocabulary [0, {self.base.vocab_size})"
+            )
+        seed = _call_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
+        self.generate_calls += 1
+        return hf.generate(
+            self.weights.sampler_model(),
+            prompts,
+            params,
+            seed=seed,
+            stop_token_ids=self.base.stop_token_ids,
+            pad_token_id=self.base.pad_token_id,
+            weight_version=self.weight_version,
+        )
+
+    def logprobs(self, tokens: Ragged) -> LogprobsResult:
+        self.base.check_tokens(tokens, "tokens", min_len=1)
+        tokens_B_T, valid_B_T = self._pad_right(tokens)
+        with torch.no_grad():
+            logp_B_T1 = _forward_logp(self.weights.trainer_model(train=False), tokens_B_T, valid_B_T, 1.0)
+        values = logp_B_T1[valid_B_T[:, 1:]].cpu().numpy().astype(np.float32)
+        offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+        np.cumsum(tokens.lengths() - 1, out=offsets[1:])
+        return LogprobsResult(logprobs=Ragged(values=values, offsets=offsets))
+
+    def forward_backward(self, batch: Batch, loss: str, config: LossConfig) -> ForwardBackwardResult:
+        batch.validate(loss)
+        check_loss_config(config)
+        self.base.check_tokens(batch.tokens, "batch.tokens", min_len=2)
+        if batch.sampler_logprobs is not None and not np.all(np.isfinite(batch.sampler_logprobs.values)):
+            raise BatchShapeError("sampler_logprobs contains NaN or inf; pass the sampler's finite logprobs")
+        tokens_B_T, valid_B_T = self._pad_right(batch.tokens)
+        device = tokens_B_T.device
+        # Target t (tokens[:, 1:]) is a completion token when prompt_len <= t < len.
+        pos_T1 = torch.arange(1, tokens_B_T.shape[1], device=device)
+        prompt_B1 = torch.from_numpy(batch.prompt_lens_B.astype(np.int64)).to(device)[:, None]
+        mask_B_T1 = (pos_T1 >= prompt_B1) & valid_B_T[:, 1:]
+        sampler_logp_B_T1 = advantages_B = ref_logp_B_T1 = None
+        if batch.sampler_logprobs is not None:
+            sampler_logp_B_T1 = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device)
+            sampler_logp_B_T1[mask_B_T1] = torch.from_numpy(batch.sampler_logprobs.values.astype(np.float32)).to(device)
+        if batch.advantages_B is not None:
+            advantages_B = torch.from_numpy(batch.advantages_B.astype(np.float32)).to(device)
+        if loss == "grpo" and config.kl_coef > 0:
+            with self.base.reference() as reference, torch.no_grad():
+                ref_logp_B_T1 = _forward_logp(reference, tokens_B_T, valid_B_T, config.temperature)
+        model = self.weights.trainer_model(train=True)
+        logp_B_T1 = _forward_logp(model, tokens_B_T, valid_B_T, config.temperature)
+        out = compute_loss(loss, logp_B_T1, mask_B_T1, config, sampler_logp_B_T1, advantages_B, ref_logp_B_T1)
+        if not torch.isfinite(out.loss_sum):
+            raise CallFailedError(
+                f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
+                "Check the batch's sampler_logprobs and advantages"
+            )
+        out.loss_sum.backward()
+        self.pending_tokens += out.num_tokens
+        return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=out.metrics)
+
+    def optim_step(self) -> OptimStepResult:
+        if self.pending_tokens == 0:
+            raise CallFailedError("optim_step with no accumulated gradients: call forward_backward first")
+        params = [p for p in self.weights.trainer_params.values() if p.grad is not None]
+        grads = [g for g in (p.grad for p in params) if g is not None]
+        with torch.no_grad():
+            for g in grads:
+                g.div_(self.pending_tokens)
+        total_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm = float(total_norm)
+        if not math.isfinite(grad_norm):
+            self._discard_gradients()
+            raise CallFailedError(
+                f"gradient norm is {grad_norm}: the step was not applied and the accumulated gradients "
+                "were discarded; lower the learning rate or check the batch's advantages"
+            )
+        clip = self.spec.optimizer.grad_clip
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total_norm)
+        self.optimizer.step()
+        self._discard_gradients()
+        self.step += 1
+        return OptimStepResult(step=self.step, grad_norm=grad_norm)
+
+    def sync_weights(self) -> Synced:
+        self._publish(self.weights.trainer_params)
+        self.weight_version += 1
+        return Synced(weight_version=self.weight_version)
+
+    def save(self, path: str) -> Saved:
+        """Checkpoint the trainer weights and optimizer; accumulated gradients are not saved."""
+        tensors = {k: p.detach().cpu().contiguous() for k, p in self.weights.trainer_params.items()}
+        manifest = {
+            "kind": self.weights.kind,
+            "weight_version": self.weight_version,
+            "step": self.step,
+            "spec": msgspec.to_builtins(self.spec),
+        }
+        checkpoint.write(path, tensors, self.optimizer.state_dict(), manifest)
+        return Saved(path=path, weight_version=self.weight_version, step=self.step)
+
+    def load(self, path: str) -> Loaded:
+        """Restore a checkpoint into trainer and sampler; checks everything before changing anything.
+
+        Accumulated gradients are discarded; the optimizer keeps this job's spec hyperparameters.
+        """
+        ckpt = checkpoint.read(path)
+        kind = ckpt.manifest["kind"]
+        if kind != self.weights.kind:
+            raise CallFailedError(f"{path!r} holds a {kind} checkpoint but this job is {self.weights.kind}")
+        params = self.weights.trainer_params
+        mismatched = sorted(set(ckpt.tensors) ^ set(params)) + [
+            k for k, t in ckpt.tensors.items() if k in params and t.shape != params[k].shape
+        ]
+        if mismatched:
+            raise CallFailedError(
+                f"{path!r} does not fit this job's weights (e.g. {mismatched[:3]}); "
+                "open the job with the spec it was saved with (same model and LoRA rank/targets)"
+            )
+        optimizer = _new_optimizer(self.weights, self.spec.optimizer)
+        try:
+            optimizer.load_state_dict(ckpt.optimizer_state)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise CallFailedError(f"{path!r}: the optimizer state does not fit this job ({e})") from e
+        for p in params.values():
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.ndim > 0 and value.shape != p.shape:
+                    raise CallFailedError(f"{path!r}: optimizer state {name!r} has shape {tuple(value.shape)}")
+        for group in optimizer.param_groups:
+            group.update(_optimizer_settings(self.spec.optimizer))
+        # Everything is checked: from here on nothing can fail half-way.
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(ckpt.tensors[k])
+        self._discard_gradients()
+        self.optimizer = optimizer
+        self.step = ckpt.manifest["step"]
+        self.weight_version = ckpt.manifest["weight_version"]
+        self._publish(params)
+        return Loaded(path=path, weight_version=self.weight_version, step=self.step)
+
+    def close(self) -> Closed:
+        self._discard_gradients()
+        self.weights.close()
+        return Closed()
+
+    def _publish(self, tensors: dict[str, nn.Parameter]) -> None:
+        with torch.no_grad():
+            for k, t in tensors.items():
+                self.weights.sampler_params[k].copy_(t)
+
+    def _discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_tokens = 0
+
+    def _pad_right(self, rows: Ragged) -> tuple[Tensor, Tensor]:
+        """``tokens_B_T`` padded on the right and ``valid_B_T``, true on real tokens."""
+        lens_B = torch.from_numpy(rows.lengths().astype(np.int64))
+        valid_B_T = torch.arange(int(lens_B.max())) < lens_B[:, None]
+        tokens_B_T = torch.full(valid_B_T.shape, self.base.pad_token_id, dtype=torch.long)
+        tokens_B_T[valid_B_T] = torch.from_numpy(rows.values.astype(np.int64))
+        device = next(iter(self.weights.trainer_params.values())).device
+        return tokens_B_T.to(device), valid_B_T.to(device)
+
+
+def _forward_logp(model: nn.Module, tokens_B_T: Tensor, valid_B_T: Tensor, temperature: float) -> Tensor:
+    """Logprobs of ``tokens_B_T[:, 1:]`` given their prefixes (right padding needs no position ids)."""
+    logits_B_T_V = model(input_ids=tokens_B_T, attention_mask=valid_B_T.long()).logits
+    return token_logprobs(logits_B_T_V[:, :-1], tokens_B_T[:, 1:], temperature)
+
+
+def _optimizer_settings(o: AdamW) -> dict[str, Any]:
+    return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+
+
+def _new_optimizer(weights: Weights, o: AdamW) -> torch.optim.AdamW:
+    return torch.optim.AdamW(list(weights.trainer_params.values()), **_optimizer_settings(o))
+
+
+def _call_seed(job_seed: int, call: int) -> int:
+    """A seed for the job's ``call``-th generate: independent of every other job's activity."""
+    state = np.random.SeedSequence([job_seed % (1 << 64), call]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1

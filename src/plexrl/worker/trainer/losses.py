@@ -1,0 +1,111 @@
+"""The built-in losses as pure functions on tensors: no model, no job, unit-testable by hand.
+
+Every loss is a *sum* over completion tokens (``mask_B_T``), returned with the token count.
+The job divides the accumulated gradient by the accumulated token count at ``optim_step``, so
+the step always follows the token-level mean over everything accumulated since the last step,
+however the tokens were split across ``forward_backward`` calls.
+
+Names follow the papers: ``ratio`` is the per-token importance ratio pi_theta / pi_sampler,
+``A`` the per-sample advantage, ``k3`` Schulman's low-variance KL estimator.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from plexrl.errors import InvalidRequestError
+from plexrl.types import LOSSES, LossConfig
+
+
+class LossOutput(NamedTuple):
+    loss_sum: Tensor  # scalar: sum of the per-token loss over completion tokens (differentiable)
+    num_tokens: int  # completion tokens the sum covers
+    metrics: dict[str, float]  # token means, for logging
+
+    @property
+    def loss_mean(self) -> float:
+        return float(self.loss_sum.detach()) / max(self.num_tokens, 1)
+
+
+def token_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature)`` at each target token (float32)."""
+    logp_B_T_V = torch.log_softmax(logits_B_T_V.float() / temperature, dim=-1)
+    return logp_B_T_V.gather(-1, targets_B_T.long().unsqueeze(-1)).squeeze(-1)
+
+
+def kl_k3(logp_B_T: Tensor, ref_logp_B_T: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || reference): ``exp(d) - d - 1`` with ``d = ref - logp``."""
+    d_B_T = ref_logp_B_T - logp_B_T
+    return torch.exp(d_B_T) - d_B_T - 1.0
+
+
+def check_loss_config(config: LossConfig) -> None:
+    """Raise ``InvalidRequestError`` (saying what to fix) unless every knob is in range."""
+    problems = []
+    if not 0.0 <= config.clip_low < 1.0:
+        problems.append(f"clip_low={config.clip_low} must be in [0, 1)")
+    if not config.clip_high >= 0.0:
+        problems.append(f"clip_high={config.clip_high} must be >= 0")
+    if not config.kl_coef >= 0.0:
+        problems.append(f"kl_coef={config.kl_coef} must be >= 0 (0 disables the KL term)")
+    if not config.temperature > 0.0:
+        problems.append(f"temperature={config.temperature} must be > 0")
+    if problems:
+        raise InvalidRequestError("invalid LossConfig: " + "; ".join(problems))
+
+
+def compute_loss(
+    loss: str,
+    logp_B_T: Tensor,
+    mask_B_T: Tensor,
+    config: LossConfig,
+    sampler_logp_B_T: Tensor | None = None,
+    advantages_B: Tensor | None = None,
+    ref_logp_B_T: Tensor | None = None,
+) -> LossOutput:
+    """The summed loss named ``loss`` over the tokens where ``mask_B_T`` is true.
+
+    ``logp_B_T`` are the trainer's logprobs of the target tokens (differentiable);
+    ``sampler_logp_B_T`` the sampler's, aligned with them; ``ref_logp_B_T`` the reference
+    model's, needed only for ``grpo`` with ``kl_coef > 0``.
+    """
+    if loss not in LOSSES:
+        raise InvalidRequestError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    mask_B_T = mask_B_T.bool()
+    num_tokens = int(mask_B_T.sum())
+    metrics = {"logp_mean": _masked_mean(logp_B_T.detach(), mask_B_T)}
+
+    if loss == "cross_entropy":
+        per_token_B_T = -logp_B_T
+    else:
+        if sampler_logp_B_T is None or advantages_B is None:
+            raise InvalidRequestError(f"loss {loss!r} needs sampler logprobs and advantages")
+        ratio_B_T = torch.exp(logp_B_T - sampler_logp_B_T)
+        A_B_T = advantages_B.to(ratio_B_T.dtype).unsqueeze(-1).expand_as(ratio_B_T)
+        metrics["ratio_mean"] = _masked_mean(ratio_B_T.detach(), mask_B_T)
+        if loss == "importance_sampling":
+            per_token_B_T = -ratio_B_T * A_B_T
+        else:
+            unclipped_B_T = ratio_B_T * A_B_T
+            clipped_B_T = torch.clamp(ratio_B_T, 1.0 - config.clip_low, 1.0 + config.clip_high) * A_B_T
+            per_token_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+            # "clipped" = the clipped term won the min, so the token contributes no gradient.
+            metrics["clip_frac"] = _masked_mean((clipped_B_T < unclipped_B_T).float(), mask_B_T)
+            if config.kl_coef > 0.0:
+                if ref_logp_B_T is None:
+                    raise InvalidRequestError("grpo with kl_coef > 0 needs reference logprobs")
+                k3_B_T = kl_k3(logp_B_T, ref_logp_B_T)
+                per_token_B_T = per_token_B_T + config.kl_coef * k3_B_T
+                metrics["kl"] = _masked_mean(k3_B_T.detach(), mask_B_T)
+
+    # where() rather than multiply: a masked-out inf/nan (e.g. padding) must not poison the sum.
+    loss_sum = torch.where(mask_B_T, per_token_B_T, torch.zeros_like(per_token_B_T)).sum()
+    return LossOutput(loss_sum=loss_sum, num_tokens=num_tokens, metrics=metrics)
+
+
+def _masked_mean(x_B_T: Tensor, mask_B_T: Tensor) -> float:
+    n = int(mask_B_T.sum())
+    return float(torch.where(mask_B_T, x_B_T, torch.zeros_like(x_B_T)).sum()) / max(n, 1)

@@ -1,0 +1,565 @@
+"""The in-process engine on the tiny random model: LoRA and full fine-tune jobs side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plexrl.errors import (
+    BatchShapeError,
+    CallFailedError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    ModelNotFoundError,
+    UnknownJobError,
+)
+from plexrl.protocol.calls import (
+    Call,
+    Close,
+    ForwardBackward,
+    ForwardBackwardResult,
+    Generate,
+    Generated,
+    JobSpec,
+    Load,
+    Loaded,
+    Logprobs,
+    LogprobsResult,
+    Open,
+    Opened,
+    OptimStep,
+    OptimStepResult,
+    Save,
+    Saved,
+    Synced,
+    SyncWeights,
+)
+from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
+from plexrl.worker.engine import Engine
+from plexrl.worker.trainer import checkpoint
+
+PROMPTS = [[1, 5, 6, 7], [1, 9]]
+STOPS = (5, 6, 7, 8, 9, 10, 11, 12)  # many stop tokens, so rows both stop and run to length
+FAST = AdamW(lr=1e-2)
+R = TypeVar("R")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    # The tiny model gains nothing from intra-op threads, and OpenMP threads competing with other
+    # processes for this machine's 2 cores made single ops 100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine()
+
+
+def lora_spec(model: Path, seed: int = 0, rank: int = 4) -> JobSpec:
+    return JobSpec(model=str(model), lora=LoRA(rank=rank), optimizer=FAST, seed=seed)
+
+
+def full_spec(model: Path, seed: int = 0) -> JobSpec:
+    return JobSpec(model=str(model), lora=None, optimizer=FAST, seed=seed)
+
+
+def ce_batch(rows: list[list[int]] | None = None) -> Batch:
+    rows = rows or [[1, 5, 6, 7, 8, 9], [1, 9, 10, 11, 12], [1, 3, 3, 3]]
+    return Batch(tokens=Ragged.from_rows(rows, "int32"), prompt_lens_B=np.full(len(rows), 2, np.int32))
+
+
+def train(engine: Engine, job: str, steps: int = 2, sync: bool = True) -> None:
+    for _ in range(steps):
+        engine.execute(job, ForwardBackward(ce_batch(), loss="cross_entropy"))
+        engine.execute(job, OptimStep())
+    if sync:
+        engine.execute(job, SyncWeights())
+
+
+def run(engine: Engine, job: str, call: Call, result_type: type[R]) -> R:
+    """Execute ``call`` and check that it returned a ``result_type``."""
+    result = engine.execute(job, call)
+    assert isinstance(result, result_type)
+    return result
+
+
+def generate(engine: Engine, job: str, **params: Any) -> Generated:
+    return run(engine, job, Generate(Ragged.from_rows(PROMPTS, "int32"), SamplingParams(**params)), Generated)
+
+
+def rows(r: Ragged) -> list[list[float]]:
+    return [row.tolist() for row in r]
+
+
+def trainer_logprobs(engine: Engine, job: str, out: Generated) -> list[np.ndarray]:
+    """The trainer's logprobs of each generated completion, via a Logprobs call."""
+    full = [np.concatenate([PROMPTS[p], t]) for p, t in zip(out.prompt_index_B, out.tokens, strict=True)]
+    result = run(engine, job, Logprobs(Ragged.from_rows(full, "int32")), LogprobsResult)
+    return [lp[len(PROMPTS[p]) - 1 :] for p, lp in zip(out.prompt_index_B, result.logprobs, strict=True)]
+
+
+def saved_weights(engine: Engine, job: str, path: Path) -> dict[str, np.ndarray]:
+    engine.execute(job, Save(str(path)))
+    return {k: v.numpy() for k, v in load_file(str(path / checkpoint.WEIGHTS)).items()}
+
+
+def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=atol, err_msg=k)
+
+
+# -- open / close -------------------------------------------------------------------------------
+
+
+def test_open_reports_version_zero_and_parameter_counts(engine: Engine, tiny_model: Path) -> None:
+    lora = run(engine, "a", Open(lora_spec(tiny_model)), Opened)
+    full = run(engine, "f", Open(full_spec(tiny_model)), Opened)
+    assert lora.weight_version == 0 and full.weight_version == 0
+    assert 0 < lora.trainable_params < full.trainable_params == full.total_params
+    assert lora.total_params == full.total_params + lora.trainable_params
+    assert engine.job_ids() == ["a", "f"]
+
+
+def test_opening_an_open_job_id_is_rejected(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    with pytest.raises(InvalidRequestError, match="already open"):
+        engine.execute("a", Open(full_spec(tiny_model)))
+
+
+@pytest.mark.parametrize("where", ["missing", "empty_dir"])
+def test_a_missing_model_names_its_path(engine: Engine, tmp_path: Path, where: str) -> None:
+    path = tmp_path / "nope" if where == "missing" else tmp_path
+    with pytest.raises(ModelNotFoundError, match=str(path)):
+        engine.execute("a", Open(JobSpec(model=str(path))))
+    assert engine.job_ids() == []
+
+
+@pytest.mark.parametrize(
+    "spec_change, match",
+    [
+        ({"lora": LoRA(target_modules=("not_a_layer",))}, "target_modules"),
+        ({"lora": LoRA(rank=0)}, "rank"),
+        ({"optimizer": AdamW(lr=-1.0)}, "lr"),
+        ({"optimizer": AdamW(grad_clip=0.0)}, "grad_clip"),
+    ],
+)
+def test_open_rejects_bad_specs(engine: Engine, tiny_model: Path, spec_change: dict, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.execute("a", Open(JobSpec(model=str(tiny_model), **spec_change)))
+    assert engine.job_ids() == []
+
+
+def test_calls_on_unknown_or_closed_jobs_raise_unknown_job(engine: Engine, tiny_model: Path) -> None:
+    with pytest.raises(UnknownJobError, match="'ghost'"):
+        engine.execute("ghost", SyncWeights())
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    engine.execute("a", Close())
+    with pytest.raises(UnknownJobError):
+        engine.execute("a", OptimStep())
+    assert engine.job_ids() == []
+
+
+def test_close_removes_the_jobs_adapters_and_the_id_can_be_reused(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    engine.execute("b", Open(lora_spec(tiny_model)))
+    base = engine._models.get(str(tiny_model))
+    assert len(base.adapters.peft_config) == 4  # trainer + sampler adapter per job
+    engine.execute("a", Close())
+    assert len(base.adapters.peft_config) == 2
+    engine.execute("b", Close())
+    assert base.adapters is None  # back to the plain base model
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    train(engine, "a", steps=1)
+
+
+def test_a_jobs_initial_adapter_depends_on_its_seed_only(tiny_model: Path, tmp_path: Path) -> None:
+    alone = Engine()
+    alone.execute("a", Open(lora_spec(tiny_model, seed=5)))
+    crowded = Engine()
+    crowded.execute("x", Open(lora_spec(tiny_model, seed=1)))
+    crowded.execute("a", Open(lora_spec(tiny_model, seed=5)))
+    a_alone = saved_weights(alone, "a", tmp_path / "alone")
+    assert_same_weights(a_alone, saved_weights(crowded, "a", tmp_path / "crowded"))
+    x = saved_weights(crowded, "x", tmp_path / "x")
+    assert any(not np.array_equal(a_alone[k], x[k]) for k in x)
+
+
+# -- generate -----------------------------------------------------------------------------------
+
+
+def test_generate_returns_n_completions_per_prompt_in_prompt_major_order(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    out = generate(engine, "a", n=8, max_tokens=6, stop_token_ids=STOPS)
+    assert out.prompt_index_B.dtype == np.int32 and out.prompt_index_B.tolist() == [0] * 8 + [1] * 8
+    assert out.tokens.values.dtype == np.int32 and out.logprobs.values.dtype == np.float32
+    assert out.tokens.lengths().tolist() == out.logprobs.lengths().tolist()
+    assert set(out.finish_reasons) == {"stop", "length"}
+    for tokens, reason in zip(out.tokens, out.finish_reasons, strict=True):
+        stops = [t in STOPS for t in tokens.tolist()]
+        if reason == "stop":
+            assert stops[-1] and not any(stops[:-1])  # cut right after the first stop token
+        else:
+            assert len(tokens) == 6 and not any(stops)
+    assert np.all(out.logprobs.values <= 0)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampler_logprobs_match_the_trainers_after_sync(
+    engine: Engine, tiny_model: Path, kind: str, top_k: int
+) -> None:
+    engine.execute("j", Open(lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)))
+    train(engine, "j", steps=2)  # nonzero LoRA B / moved weights, published by sync
+    out = generate(engine, "j", n=4, max_tokens=8, temperature=1.0, top_k=top_k)
+    for sampled, trained in zip(out.logprobs, trainer_logprobs(engine, "j", out), strict=True):
+        np.testing.assert_allclose(sampled, trained, atol=1e-4)
+
+
+def test_greedy_generation_is_deterministic(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    first = generate(engine, "a", n=2, max_tokens=10, temperature=0.0)
+    second = generate(engine, "a", n=2, max_tokens=10, temperature=0.0)
+    assert rows(first.tokens) == rows(second.tokens)
+    assert rows(first.tokens)[0] == rows(first.tokens)[1]
+    assert rows(first.logprobs) == rows(second.logprobs)
+
+
+def test_sampling_depends_on_the_jobs_seed_and_call_count_only(tiny_model: Path) -> None:
+    alone = Engine()
+    alone.execute("a", Open(lora_spec(tiny_model, seed=3)))
+    busy = Engine()
+    busy.execute("x", Open(full_spec(tiny_model, seed=3)))
+    generate(busy, "x", n=3, max_tokens=4)
+    busy.execute("a", Open(lora_spec(tiny_model, seed=3)))
+    train(busy, "x", steps=1)
+    for _ in range(2):  # the first and the second call of "a" match across engines
+        assert rows(generate(alone, "a", n=3).tokens) == rows(generate(busy, "a", n=3).tokens)
+    seeded = [rows(generate(alone, "a", n=3, seed=11).tokens) for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    assert rows(generate(alone, "a", n=3).tokens) != rows(generate(alone, "a", n=3).tokens)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def test_training_one_job_changes_nothing_of_another(engine: Engine, tiny_model: Path, tmp_path: Path) -> None:
+    for job, spec in [("a", lora_spec(tiny_model)), ("b", lora_spec(tiny_model, seed=1)), ("c", full_spec(tiny_model))]:
+        engine.execute(job, Open(spec))
+    train(engine, "b", steps=1)
+    before = generate(engine, "b", temperature=0.0, max_tokens=10)
+    before_lp = trainer_logprobs(engine, "b", before)
+    before_w = saved_weights(engine, "b", tmp_path / "b0")
+    a_w = saved_weights(engine, "a", tmp_path / "a0")
+    for job in ("a", "c"):
+        for _ in range(3):
+            engine.execute(job, ForwardBackward(ce_batch(), loss="cross_entropy"))
+            engine.execute(
+                job, ForwardBackward(grpo_batch(engine, job), loss="grpo", loss_config=LossConfig(kl_coef=0.1))
+            )
+            engine.execute(job, OptimStep())
+            engine.execute(job, SyncWeights())
+    after = generate(engine, "b", temperature=0.0, max_tokens=10)
+    assert rows(after.tokens) == rows(before.tokens) and rows(after.logprobs) == rows(before.logprobs)
+    for x, y in zip(before_lp, trainer_logprobs(engine, "b", after), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert_same_weights(before_w, saved_weights(engine, "b", tmp_path / "b1"))
+    a_after = saved_weights(engine, "a", tmp_path / "a1")
+    assert any(not np.array_equal(a_w[k], a_after[k]) for k in a_w)  # a did train
+
+
+def grpo_batch(engine: Engine, job: str) -> Batch:
+    out = generate(engine, job, n=3, max_tokens=6, stop_token_ids=STOPS)
+    samples = [
+        Sample(int(p), t, lp, r, out.weight_version)
+        for p, t, lp, r in zip(out.prompt_index_B, out.tokens, out.logprobs, out.finish_reasons, strict=True)
+    ]
+    return Batch.from_samples(PROMPTS, samples, advantages=np.linspace(-1.0, 1.0, len(samples)))
+
+
+def test_gradients_survive_other_jobs_calls_in_between(tiny_model: Path, tmp_path: Path) -> None:
+    busy = Engine()
+    busy.execute("a", Open(lora_spec(tiny_model)))
+    busy.execute("a", ForwardBackward(ce_batch(), loss="cross_entropy"))
+    busy.execute("b", Open(lora_spec(tiny_model, seed=1)))  # a new adapter on the shared model
+    train(busy, "b", steps=1)
+    busy.execute("c", Open(full_spec(tiny_model)))
+    train(busy, "c", steps=1)
+    busy.execute("a", OptimStep())
+    alone = Engine()
+    alone.execute("a", Open(lora_spec(tiny_model)))
+    alone.execute("a", ForwardBackward(ce_batch(), loss="cross_entropy"))
+    alone.execute("a", OptimStep())
+    assert_same_weights(saved_weights(busy, "a", tmp_path / "busy"), saved_weights(alone, "a", tmp_path / "alone"))
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_two_half_batch_calls_step_like_one_full_batch_call(tiny_model: Path, tmp_path: Path, kind: str) -> None:
+    # Losses are token sums and optim_step divides by all tokens accumulated since the last step,
+    # so the split does not matter (rows of different lengths, to catch per-call means).
+    all_rows = [[1, 5, 6, 7, 8, 9, 10], [1, 9, 10], [1, 3, 3, 3, 4], [1, 2, 7]]
+    # eps >> sqrt(v) makes Adam's update nearly linear in the gradient, so float rounding in the
+    # gradient sum stays rounding-sized in the weights (plain Adam amplifies it where m cancels).
+    spec = JobSpec(model=str(tiny_model), optimizer=AdamW(lr=1.0, eps=1.0, grad_clip=None))
+    weights = []
+    for split in ([all_rows], [all_rows[:1], all_rows[1:]]):
+        engine = Engine()
+        engine.execute("j", Open(spec if kind == "lora" else msgspec.structs.replace(spec, lora=None)))
+        for _ in range(2):  # two steps: the second one has nonzero LoRA A gradients too
+            for part in split:
+                engine.execute("j", ForwardBackward(ce_batch(part), loss="cross_entropy"))
+            engine.execute("j", OptimStep())
+        weights.append(saved_weights(engine, "j", tmp_path / str(len(split))))
+    assert_same_weights(weights[0], weights[1], atol=1e-6)
+
+
+def test_optim_step_counts_steps_and_reports_the_pre_clip_grad_norm(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(JobSpec(model=str(tiny_model), optimizer=AdamW(grad_clip=1e-6))))
+    for step in (1, 2):
+        engine.execute("a", ForwardBackward(ce_batch(), loss="cross_entropy"))
+        result = run(engine, "a", OptimStep(), OptimStepResult)
+        assert result.step == step and result.grad_norm > 1e-3
+
+
+def test_optim_step_without_gradients_fails(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    with pytest.raises(CallFailedError, match="forward_backward first"):
+        engine.execute("a", OptimStep())
+    train(engine, "a", steps=1, sync=False)
+    with pytest.raises(CallFailedError, match="no accumulated gradients"):
+        engine.execute("a", OptimStep())
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_grpo_kl_to_the_base_is_zero_before_training(engine: Engine, tiny_model: Path, kind: str) -> None:
+    engine.execute("j", Open(lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)))
+    batch = grpo_batch(engine, "j")
+    call = ForwardBackward(batch, loss="grpo", loss_config=LossConfig(kl_coef=0.5))
+    first = run(engine, "j", call, ForwardBackwardResult)
+    assert first.metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    engine.execute("j", OptimStep())
+    assert run(engine, "j", call, ForwardBackwardResult).metrics["kl"] > 1e-6
+
+
+# -- weight versions ----------------------------------------------------------------------------
+
+
+def test_sync_weights_increments_the_version_that_generate_reports(engine: Engine, tiny_model: Path) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    assert generate(engine, "a").weight_version == 0
+    for version in (1, 2):
+        assert run(engine, "a", SyncWeights(), Synced).weight_version == version
+        assert generate(engine, "a").weight_version == version
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_the_sampler_keeps_the_old_weights_until_sync(engine: Engine, tiny_model: Path, kind: str) -> None:
+    engine.execute("j", Open(lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)))
+    before = generate(engine, "j", n=2, seed=7)
+    train(engine, "j", steps=3, sync=False)
+    stale = generate(engine, "j", n=2, seed=7)
+    assert stale.weight_version == 0
+    assert rows(stale.tokens) == rows(before.tokens) and rows(stale.logprobs) == rows(before.logprobs)
+    trained = trainer_logprobs(engine, "j", stale)
+    assert any(not np.allclose(x, y, atol=1e-4) for x, y in zip(stale.logprobs, trained, strict=True))
+    engine.execute("j", SyncWeights())
+    fresh = generate(engine, "j", n=2, seed=7)
+    assert fresh.weight_version == 1 and rows(fresh.logprobs) != rows(before.logprobs)
+
+
+# -- save / load --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_load_restores_weights_optimizer_step_and_version(tiny_model: Path, tmp_path: Path, kind: str) -> None:
+    engine = Engine()
+    engine.execute("j", Open(lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)))
+    train(engine, "j", steps=2)
+    saved = run(engine, "j", Save(str(tmp_path / "ckpt")), Saved)
+    assert (saved.weight_version, saved.step) == (1, 2)
+    sample_at_save = generate(engine, "j", seed=3)
+    train(engine, "j", steps=1)
+    continued = saved_weights(engine, "j", tmp_path / "continued")
+    train(engine, "j", steps=2)  # wander off, then come back
+    loaded = run(engine, "j", Load(str(tmp_path / "ckpt")), Loaded)
+    assert (loaded.weight_version, loaded.step) == (1, 2)
+    reloaded = generate(engine, "j", seed=3)
+    assert reloaded.weight_version == 1 and rows(reloaded.tokens) == rows(sample_at_save.tokens)
+    train(engine, "j", steps=1)  # equal only if the Adam moments came back too
+    assert_same_weights(continued, saved_weights(engine, "j", tmp_path / "again"), atol=1e-6)
+    assert generate(engine, "j").weight_version == 2
+
+
+def test_save_writes_the_manifest_last_then_renames_into_place(
+    engine: Engine, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    synced: list[str] = []
+    real_sync = checkpoint._sync_file
+
+    def record(f: Path) -> None:
+        synced.append(f.name)
+        real_sync(f)
+
+    monkeypatch.setattr(checkpoint, "_sync_file", record)
+    engine.execute("a", Save(str(tmp_path / "ckpt")))
+    assert synced[:3] == [checkpoint.WEIGHTS, checkpoint.OPTIMIZER, checkpoint.MANIFEST]
+    assert synced[3].startswith("ckpt.tmp-")  # the directory, fsynced before the rename
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(
+        [checkpoint.WEIGHTS, checkpoint.OPTIMIZER, checkpoint.MANIFEST]
+    )
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(
+    engine: Engine, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    path = str(tmp_path / "ckpt")
+    engine.execute("a", Save(path))
+    train(engine, "a", steps=1)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        engine.execute("a", Save(path))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    loaded = run(engine, "a", Load(path), Loaded)
+    assert (loaded.weight_version, loaded.step) == (0, 0)
+
+
+def test_save_replaces_a_previous_checkpoint_but_no_other_directory(
+    engine: Engine, tiny_model: Path, tmp_path: Path
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    engine.execute("a", Save(str(tmp_path / "ckpt")))
+    train(engine, "a", steps=1)
+    assert run(engine, "a", Save(str(tmp_path / "ckpt")), Saved).step == 1
+    assert run(engine, "a", Load(str(tmp_path / "ckpt")), Loaded).step == 1
+    (tmp_path / "data").mkdir()
+    with pytest.raises(InvalidRequestError, match="not a plexrl checkpoint"):
+        engine.execute("a", Save(str(tmp_path / "data")))
+
+
+def corrupt(path: Path, how: str) -> None:
+    if how == "no_manifest":
+        (path / checkpoint.MANIFEST).unlink()
+    elif how == "bad_manifest":
+        (path / checkpoint.MANIFEST).write_text("{not json")
+    elif how == "truncated_weights":
+        data = (path / checkpoint.WEIGHTS).read_bytes()
+        (path / checkpoint.WEIGHTS).write_bytes(data[: len(data) // 2])
+    elif how == "garbage_optimizer":
+        size = (path / checkpoint.OPTIMIZER).stat().st_size
+        (path / checkpoint.OPTIMIZER).write_bytes(b"x" * size)
+
+
+@pytest.mark.parametrize("how", ["missing", "no_manifest", "bad_manifest", "truncated_weights", "garbage_optimizer"])
+def test_load_of_a_missing_or_corrupt_checkpoint_fails_and_changes_nothing(
+    engine: Engine, tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    path = tmp_path / "ckpt"
+    if how != "missing":
+        engine.execute("a", Save(str(path)))
+        corrupt(path, how)
+    train(engine, "a", steps=1)
+    before = saved_weights(engine, "a", tmp_path / "before")
+    with pytest.raises(CallFailedError, match="ckpt"):
+        engine.execute("a", Load(str(path)))
+    assert_same_weights(before, saved_weights(engine, "a", tmp_path / "after"))
+    assert generate(engine, "a").weight_version == 1
+
+
+def test_load_of_a_checkpoint_of_another_shape_fails_and_changes_nothing(
+    engine: Engine, tiny_model: Path, tmp_path: Path
+) -> None:
+    engine.execute("r8", Open(lora_spec(tiny_model, rank=8)))
+    engine.execute("r8", Save(str(tmp_path / "r8")))
+    engine.execute("r4", Open(lora_spec(tiny_model, rank=4)))
+    engine.execute("f", Open(full_spec(tiny_model)))
+    train(engine, "r4", steps=1)
+    before = saved_weights(engine, "r4", tmp_path / "before")
+    with pytest.raises(CallFailedError, match="spec it was saved with"):
+        engine.execute("r4", Load(str(tmp_path / "r8")))
+    with pytest.raises(CallFailedError, match="lora checkpoint but this job is full"):
+        engine.execute("f", Load(str(tmp_path / "r8")))
+    assert_same_weights(before, saved_weights(engine, "r4", tmp_path / "after"))
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def prompts(*rows: list[int]) -> Ragged:
+    return Ragged.from_rows(rows, "int32")
+
+
+BAD_CALLS: list[tuple[str, Call, type[Exception], str]] = [
+    ("token id = vocab", Generate(prompts([1, 64])), BatchShapeError, "token ids must be in"),
+    ("negative token id", Logprobs(prompts([1, -1])), BatchShapeError, "token ids must be in"),
+    ("empty prompt", Generate(prompts([1, 2], [])), BatchShapeError, "at least 1 token"),
+    ("no prompts", Generate(prompts()), BatchShapeError, "no rows"),
+    ("float tokens", Generate(Ragged.from_rows([[1.0, 2.0]], "float32")), BatchShapeError, "integers"),
+    (
+        "prompt + max_tokens too long",
+        Generate(prompts([1] * 200), SamplingParams(max_tokens=100)),
+        BatchShapeError,
+        "max_position_embeddings=256",
+    ),
+    ("n = 0", Generate(prompts([1]), SamplingParams(n=0)), InvalidSamplingParamsError, "n=0"),
+    ("stop id = vocab", Generate(prompts([1]), SamplingParams(stop_token_ids=(64,))), InvalidSamplingParamsError, "64"),
+    (
+        "training token id out of range",
+        ForwardBackward(ce_batch([[1, 2, 99]]), loss="cross_entropy"),
+        BatchShapeError,
+        "token ids must be in",
+    ),
+    (
+        "prompt_lens_B of the wrong length",
+        ForwardBackward(Batch(tokens=prompts([1, 2, 3]), prompt_lens_B=np.array([1, 1], np.int32)), "cross_entropy"),
+        BatchShapeError,
+        "prompt_lens_B",
+    ),
+    (
+        "no completion tokens",
+        ForwardBackward(Batch(tokens=prompts([1, 2, 3]), prompt_lens_B=np.array([3], np.int32)), "cross_entropy"),
+        BatchShapeError,
+        "completion token",
+    ),
+    ("grpo without advantages", ForwardBackward(ce_batch(), loss="grpo"), BatchShapeError, "advantages"),
+    ("unknown loss", ForwardBackward(ce_batch(), loss="dpo"), BatchShapeError, "unknown loss"),
+    (
+        "bad loss config",
+        ForwardBackward(ce_batch(), loss="cross_entropy", loss_config=LossConfig(temperature=0.0)),
+        InvalidRequestError,
+        "temperature",
+    ),
+    ("optim_step first", OptimStep(), CallFailedError, "forward_backward first"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_gets_a_typed_error_and_changes_nothing(
+    engine: Engine, tiny_model: Path, call: Call, error: type[Exception], match: str
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    with pytest.raises(error, match=match):
+        engine.execute("a", call)
+    with pytest.raises(CallFailedError, match="no accumulated gradients"):
+        engine.execute("a", OptimStep())  # a rejected forward_backward accumulated nothing
+    assert generate(engine, "a").weight_version == 0
