@@ -389,7 +389,9 @@ def _log_send_failure(fut: asyncio.Future[object], ident: bytes) -> None:
     if fut.cancelled():
         return
     exc = fut.exception()
-    if exc is not None:  # EHOSTUNREACH: the peer disconnected; its liveness check will notice
+    if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+        log.debug("%s left before its reply could be sent", ident.hex())  # a closed client
+    elif exc is not None:
         log.warning("could not send to %s: %s", ident.hex(), exc)
 
 

@@ -77,7 +77,7 @@ class Worker:
                 try:
                     await self._session(ctx, engine)
                 except _CoordinatorLost as e:
-                    log.warning("coordinator lost (%s): dropping all job state and registering again", e)
+                    log.info("coordinator lost (%s): dropping all job state and registering again", e)
                     engine = await asyncio.get_running_loop().run_in_executor(self._executor, self._new_engine)
         finally:
             ctx.term()
