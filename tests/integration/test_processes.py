@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
@@ -45,3 +46,33 @@ async def test_a_terminated_coordinator_fails_in_flight_calls_and_exits_cleanly(
             with pytest.raises(CoordinatorLostError, match="shut down"):
                 await long_call
             assert await cluster.coordinator.wait() == 0
+
+
+async def test_embedded_children_die_with_a_killed_script() -> None:
+    script = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).parent / "orphan_script.py"), stdout=asyncio.subprocess.PIPE
+    )
+    assert script.stdout is not None
+    async with asyncio.timeout(120):
+        pids = [int(p) for p in (await script.stdout.readline()).split()]
+        assert len(pids) == 2
+        script.kill()
+        await script.wait()
+        for pid in pids:
+            await _exited(pid)
+
+
+async def _exited(pid: int) -> None:
+    """Wait until ``pid`` (not our child) terminates, via a pidfd that turns readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    loop.add_reader(fd, done.set)
+    try:
+        await done.wait()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
