@@ -40,6 +40,6 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main demo on an embedded cluster."""
+    """The main demo: three GRPO jobs (add, mul, rev) sharing one embedded worker."""
     _install(session)
-    session.run("python", "examples/two_jobs.py", *session.posargs)
+    session.run("python", "examples/grpo/train.py", "--jobs", "3", *session.posargs)

@@ -110,6 +110,9 @@ def _worker(args: argparse.Namespace) -> int:
     from plexrl.worker.server import WorkerConfig, run_worker
 
     _die_with_parent(args.parent_pid)
+    # Idle OpenMP threads spinning after each op would steal the cores that the coordinator,
+    # the clients and other workers need between calls. Must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.threads:
         import torch
 

@@ -13,20 +13,22 @@ from plexrl.protocol.codec import Codec, rid_of
 from plexrl.types import Batch, Ragged, SamplingParams
 
 
-def _batch() -> Batch:
+def _batch(rows: int = 2, length: int = 300) -> Batch:
+    rng = np.random.default_rng(0)
+    prompt = length // 3
     return Batch(
-        tokens=Ragged.from_rows([[1, 5, 6, 2], [1, 7, 2]], "int32"),
-        prompt_lens_B=np.array([2, 1], np.int32),
-        sampler_logprobs=Ragged.from_rows([[-0.5, -0.25], [-1.0, -2.0]], "float32"),
-        advantages_B=np.array([1.0, -1.0], np.float32),
+        tokens=Ragged.from_rows([rng.integers(0, 60, length) for _ in range(rows)], "int32"),
+        prompt_lens_B=np.full(rows, prompt, np.int32),
+        sampler_logprobs=Ragged.from_rows([-rng.random(length - prompt) for _ in range(rows)], "float32"),
+        advantages_B=rng.standard_normal(rows).astype(np.float32),
     )
 
 
-def test_a_call_with_arrays_round_trips_exactly_with_one_frame_per_array() -> None:
+def test_large_arrays_travel_as_their_own_frames_and_round_trip_exactly() -> None:
     codec: Codec[m.ToCoordinator] = Codec(m.ToCoordinator)
     msg = m.Submit(rid=7, job_id="j-1", call=calls.ForwardBackward(batch=_batch(), loss="grpo"))
     frames = codec.encode(msg)
-    assert len(frames) == 1 + 6  # body + tokens(values, offsets) + prompt_lens + logprobs(2) + advantages
+    assert len(frames) == 1 + 2  # body + tokens.values + sampler_logprobs.values; the rest is small
     back = codec.decode(frames)
     assert isinstance(back, m.Submit) and back.rid == 7 and isinstance(back.call, calls.ForwardBackward)
     for a, b in [
@@ -37,8 +39,18 @@ def test_a_call_with_arrays_round_trips_exactly_with_one_frame_per_array() -> No
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+def test_small_arrays_travel_inside_the_body() -> None:
+    codec: Codec[m.ToCoordinator] = Codec(m.ToCoordinator)
+    msg = m.Submit(job_id="j", call=calls.ForwardBackward(batch=_batch(rows=2, length=4), loss="grpo"))
+    frames = codec.encode(msg)
+    assert len(frames) == 1
+    back = codec.decode(frames)
+    assert isinstance(back, m.Submit) and isinstance(back.call, calls.ForwardBackward)
+    assert np.array_equal(back.call.batch.tokens.values, msg.call.batch.tokens.values)
+
+
 def test_decoded_arrays_share_the_received_frames_unless_a_copy_is_asked_for() -> None:
-    msg = m.Submit(job_id="j", call=calls.Logprobs(tokens=Ragged.from_rows([[1, 2, 3]], "int32")))
+    msg = m.Submit(job_id="j", call=calls.Logprobs(tokens=Ragged.from_rows([np.arange(1000)], "int32")))
     frames = Codec(m.ToCoordinator).encode(msg)
     shared = Codec(m.ToCoordinator).decode(frames)
     copied = Codec(m.ToCoordinator, copy_arrays=True).decode(frames)
@@ -74,6 +86,7 @@ def test_a_different_protocol_version_is_rejected_before_decoding() -> None:
         ["<i4", [4], 0],  # shape larger than the frame
         ["|O", [1], 0],  # object dtype: never
         ["<i4", [-1], 0],  # negative shape
+        ["<i4", [2], b"\x00\x00\x00\x00"],  # inline bytes that do not match the shape
     ],
 )
 def test_bad_array_references_are_malformed(ref: list) -> None:

@@ -1,7 +1,9 @@
-"""Framing: a message is one msgpack frame plus one zero-copy frame per numpy array in it.
+"""Framing: a message is one msgpack frame plus one zero-copy frame per large numpy array in it.
 
 An array field is encoded in the msgpack body as ``[dtype, shape, frame_index]`` and its bytes
-travel as frame ``1 + frame_index`` (the pattern of vLLM's ``serial_utils``). Decoding checks the
+travel as frame ``1 + frame_index`` (the pattern of vLLM's ``serial_utils``). Arrays under
+``INLINE_BYTES`` travel inside the body as ``[dtype, shape, bytes]``: for a handful of token ids
+an extra frame costs more than the copy it saves. Decoding checks the
 size limit, then the protocol version, then decodes with one typed decoder: anything that does
 not fit the schema becomes a :class:`MalformedMessageError`. Never pickle.
 
@@ -22,6 +24,7 @@ from plexrl.protocol.messages import PROTOCOL_VERSION, Header
 T = TypeVar("T")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+INLINE_BYTES = 1024
 ALLOWED_DTYPES = frozenset(
     np.dtype(d).str for d in ("int8", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
 )
@@ -68,6 +71,8 @@ class Codec(Generic[T]):
             arr = np.ascontiguousarray(obj)
             if arr.dtype.str not in ALLOWED_DTYPES:
                 raise TypeError(f"arrays of dtype {arr.dtype} cannot be sent; use int32/int64/float32")
+            if arr.nbytes < INLINE_BYTES:
+                return (arr.dtype.str, arr.shape, arr.tobytes())
             self._out.append(arr.reshape(-1).view(np.uint8).data)
             return (arr.dtype.str, arr.shape, len(self._out) - 2)
         if isinstance(obj, np.generic):
@@ -113,16 +118,19 @@ class Codec(Generic[T]):
         if t is not np.ndarray:
             raise TypeError(f"unsupported type {t}")
         if not (isinstance(obj, list) and len(obj) == 3):
-            raise ValueError("array reference must be [dtype, shape, frame]")
+            raise ValueError("array reference must be [dtype, shape, frame or bytes]")
         dtype, shape, index = obj
         if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
             raise ValueError(f"array dtype {dtype!r} is not allowed")
-        if not isinstance(index, int) or not 0 <= index < len(self._in):
+        if isinstance(index, bytes):
+            buf = memoryview(index)
+        elif isinstance(index, int) and 0 <= index < len(self._in):
+            buf = self._in[index]
+        else:
             raise ValueError(f"array frame {index!r} does not exist")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError("array shape must be a list of non-negative ints")
         dt = np.dtype(dtype)
-        buf = self._in[index]
         if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != buf.nbytes:
             raise ValueError(f"array of shape {shape} and dtype {dtype} does not match its {buf.nbytes}-byte frame")
         arr = np.frombuffer(buf, dtype=dt).reshape(shape)

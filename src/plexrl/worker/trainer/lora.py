@@ -62,13 +62,15 @@ class LoraWeights:
     def close(self) -> None:
         host = self.host
         others = [a for a in host.peft_config if a not in (self.trainer_name, self.sampler_name)]
+        # peft warns when the active adapter is deleted, so another one is made active first.
         if others:
-            # peft warns when the active adapter is deleted while others remain.
             host.set_adapter(others[0], inference_mode=True)
-        host.delete_adapter(self.sampler_name)
-        host.delete_adapter(self.trainer_name)
-        if not others:
+            host.delete_adapter(self.sampler_name)
+            host.delete_adapter(self.trainer_name)
+        else:
             # Back to the plain base: with no adapter left, peft's disable_adapter() would fail.
+            host.set_adapter(self.trainer_name)
+            host.delete_adapter(self.sampler_name)
             host.unload()
             self.base.adapters = None
         self.trainer_params = {}

@@ -1,0 +1,305 @@
+"""Pretrain plexrl's shipped task model (``tiny-arith``) on synthetic problems to partial competence.
+
+    python -m plexrl.models.pretrain [--out DIR] [--steps N] [--seed S] [--lr LR]
+
+A Qwen2 decoder with :data:`ARITH_CONFIG` learns the answers to a mixture of the tasks' training
+problems (cross-entropy on the answer and EOS only). Tasks are learnt at very different speeds
+(reversal in a couple of hundred steps, then near perfectly; addition in about a thousand), so
+each task's share of the batch is steered by its validation accuracy into :attr:`Recipe.band`,
+and training stops when every task is in it: the model gets some held-out problems right and
+many wrong, so GRPO has reward to gain and groups whose rewards differ. At the end it reports the held-out greedy accuracy and the mean
+reward of temperature-1 samples per task, saves the model (float32 safetensors), tokenizer files
+and a generation config, and writes ``MODEL_CARD.md`` with those numbers and the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from plexrl.models.tiny import TINY_CONFIG
+from plexrl.models.tokenizer import ALPHABET, SPECIAL_TOKENS, VOCAB_SIZE, CharTokenizer, write_hf_tokenizer
+from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task
+
+# The shipped model has the tiny test model's shape, so one config (and vocabulary) serves both.
+ARITH_CONFIG: dict[str, Any] = dict(TINY_CONFIG)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-arith"
+MAX_NEW_TOKENS = 8  # the longest answer (7 letters of rev) plus EOS
+SAMPLES_PER_PROBLEM = 4  # temperature-1 samples per held-out problem for the sampled reward
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the model is trained; every field goes into the model card."""
+
+    max_steps: int = 4000
+    seed: int = 0
+    problems_below_band: int = 43  # per step, for each task whose validation accuracy is below the band
+    problems_in_band: int = 8  # per step, for each task in the band; a task above it gets none
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    band: tuple[float, float] = (0.25, 0.45)  # the validation greedy accuracy each task is steered into
+    check_every: int = 25  # steps between validation checks
+    validation_size: int = 100  # per task, drawn from the training side and kept out of training
+    tasks: tuple[str, ...] = ("add", "mul", "rev")
+
+
+@dataclass(frozen=True)
+class Scores:
+    greedy_accuracy: float  # fraction of the held-out set answered exactly, greedy decoding
+    sampled_reward: float  # mean reward of temperature-1 samples on the held-out set
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m plexrl.models.pretrain", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--steps", type=int, default=Recipe.max_steps, help="most training steps (it usually stops sooner)"
+    )
+    parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--lr", type=float, default=Recipe.lr)
+    args = parser.parse_args(argv)
+    recipe = Recipe(max_steps=args.steps, seed=args.seed, lr=args.lr)
+
+    torch.set_num_threads(2)
+    start = time.monotonic()
+    model, steps = train(recipe, start)
+    train_seconds = time.monotonic() - start
+    scores = {name: evaluate(model, TASKS[name], seed=recipe.seed) for name in recipe.tasks}
+    for name, s in scores.items():
+        print(f"{name}: held-out greedy accuracy {s.greedy_accuracy:.3f}, T=1 mean reward {s.sampled_reward:.3f}")
+    save(model, args.out)
+    command = " ".join(["python -m plexrl.models.pretrain", *(sys.argv[1:] if argv is None else argv)])
+    write_model_card(args.out, model, recipe, steps, scores, train_seconds, command)
+    print(f"saved to {args.out} ({time.monotonic() - start:.0f}s in all)")
+
+
+def train(recipe: Recipe, start: float) -> tuple[Any, int]:
+    """A freshly initialised model trained by ``recipe`` and its step count; deterministic given the seed.
+
+    Every ``check_every`` steps each task's validation greedy accuracy sets its problems per step
+    until the next check: many below the band, a few in it, none above it (so an overshooting task
+    drifts back down while the others train). Training ends at the first check where every task is
+    in the band, which leaves each one partially competent rather than solved.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(recipe.seed)
+    model: Any = Qwen2ForCausalLM(Qwen2Config(**ARITH_CONFIG))
+    rng = np.random.default_rng(recipe.seed)
+    tok = CharTokenizer()
+    validation = {name: _validation_set(TASKS[name], recipe) for name in recipe.tasks}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe.warmup_steps))
+    counts = {name: recipe.problems_below_band for name in recipe.tasks}
+    for step in range(1, recipe.max_steps + 1):
+        model.train()
+        problems = [p for name, n in counts.items() for p in _training_problems(TASKS[name], n, rng, validation[name])]
+        input_ids_B_T, labels_B_T, attention_B_T = _training_batch(problems, tok)
+        logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_B_T).logits
+        loss = F.cross_entropy(logits_B_T_V[:, :-1].flatten(0, 1), labels_B_T[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % recipe.check_every == 0 or step == recipe.max_steps:
+            model.eval()
+            accuracy = {name: greedy_accuracy(model, TASKS[name], validation[name]) for name in recipe.tasks}
+            counts = {name: _problems_per_step(a, recipe) for name, a in accuracy.items()}
+            shown = "  ".join(f"{name} {a:.2f}" for name, a in accuracy.items())
+            print(
+                f"step {step}  loss {loss.item():.4f}  elapsed {time.monotonic() - start:.0f}s  "
+                f"validation greedy accuracy: {shown}",
+                flush=True,
+            )
+            if all(recipe.band[0] <= a <= recipe.band[1] for a in accuracy.values()):
+                return model.eval(), step
+            if not any(counts.values()):
+                print("every task is above the band; stopping here", flush=True)
+                return model.eval(), step
+    return model.eval(), recipe.max_steps
+
+
+def _problems_per_step(accuracy: float, recipe: Recipe) -> int:
+    low, high = recipe.band
+    if accuracy < low:
+        return recipe.problems_below_band
+    return recipe.problems_in_band if accuracy <= high else 0
+
+
+def _validation_set(task: Task, recipe: Recipe) -> list[Problem]:
+    """Distinct training-side problems that pretraining never trains on, to decide when to stop."""
+    rng = np.random.default_rng(zlib.crc32(f"validation:{task.name}:{recipe.seed}".encode()))
+    problems: dict[str, Problem] = {}
+    while len(problems) < recipe.validation_size:
+        for p in task.sample(recipe.validation_size, rng):
+            problems.setdefault(p.prompt, p)
+    return list(problems.values())[: recipe.validation_size]
+
+
+def _training_problems(task: Task, n: int, rng: np.random.Generator, validation: list[Problem]) -> list[Problem]:
+    held = {p.prompt for p in validation}
+    problems: list[Problem] = []
+    while len(problems) < n:
+        problems.extend(p for p in task.sample(n - len(problems), rng) if p.prompt not in held)
+    return problems
+
+
+def _training_batch(problems: list[Problem], tok: CharTokenizer) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded ``[bos] prompt answer [eos]`` rows; labels only on the answer and EOS."""
+    rows, answer_starts = [], []
+    for p in problems:
+        prompt = tok.encode(p.prompt)
+        rows.append([*prompt, *tok.encode(p.answer, bos=False), tok.eos_id])
+        answer_starts.append(len(prompt))
+    T = max(len(r) for r in rows)
+    input_ids_B_T = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+    labels_B_T = torch.full((len(rows), T), -100, dtype=torch.long)
+    attention_B_T = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (row, a) in enumerate(zip(rows, answer_starts, strict=True)):
+        input_ids_B_T[i, : len(row)] = torch.tensor(row)
+        labels_B_T[i, a : len(row)] = torch.tensor(row[a:])
+        attention_B_T[i, : len(row)] = 1
+    return input_ids_B_T, labels_B_T, attention_B_T
+
+
+@torch.no_grad()
+def complete(model: Any, prompts: list[str], temperature: float, generator: torch.Generator | None = None) -> list[str]:
+    """One completion per prompt (greedy when ``temperature`` is 0), decoded up to EOS.
+
+    Rows are left-padded with explicit position ids; no KV cache, since sequences are short.
+    """
+    tok = CharTokenizer()
+    encoded = [tok.encode(p) for p in prompts]
+    T = max(len(e) for e in encoded)
+    ids_B_T = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in encoded])
+    attention_B_T = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in encoded])
+    done_B = torch.zeros(len(prompts), dtype=torch.bool)
+    for _ in range(MAX_NEW_TOKENS):
+        positions_B_T = (attention_B_T.cumsum(dim=1) - 1).clamp(min=0)
+        logits_B_V = model(input_ids=ids_B_T, attention_mask=attention_B_T, position_ids=positions_B_T).logits[:, -1]
+        if temperature == 0.0:
+            next_B = logits_B_V.argmax(dim=-1)
+        else:
+            probs_B_V = torch.softmax(logits_B_V.float() / temperature, dim=-1)
+            next_B = torch.multinomial(probs_B_V, 1, generator=generator).squeeze(1)
+        next_B = torch.where(done_B, tok.pad_id, next_B)
+        done_B |= next_B == tok.eos_id
+        ids_B_T = torch.cat([ids_B_T, next_B[:, None]], dim=1)
+        attention_B_T = torch.cat([attention_B_T, torch.ones_like(next_B)[:, None]], dim=1)
+        if done_B.all():
+            break
+    return [tok.decode(row[T:].tolist()) for row in ids_B_T]
+
+
+def greedy_accuracy(model: Any, task: Task, problems: list[Problem]) -> float:
+    completions = complete(model, [p.prompt for p in problems], temperature=0.0)
+    return float(np.mean([task.score(p, c) for p, c in zip(problems, completions, strict=True)]))
+
+
+def evaluate(model: Any, task: Task, seed: int) -> Scores:
+    """Greedy accuracy and mean temperature-1 reward of ``model`` on ``task``'s held-out set."""
+    problems = task.eval_set()
+    repeated = problems * SAMPLES_PER_PROBLEM
+    generator = torch.Generator().manual_seed(seed)
+    sampled = complete(model, [p.prompt for p in repeated], temperature=1.0, generator=generator)
+    return Scores(
+        greedy_accuracy=greedy_accuracy(model, task, problems),
+        sampled_reward=float(np.mean([task.score(p, c) for p, c in zip(repeated, sampled, strict=True)])),
+    )
+
+
+def save(model: Any, out: Path) -> None:
+    """Model weights (float32 safetensors), config, generation config and tokenizer files."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = CharTokenizer()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, max_new_tokens=MAX_NEW_TOKENS
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    write_hf_tokenizer(out, tok)
+
+
+def write_model_card(
+    out: Path, model: Any, recipe: Recipe, steps: int, scores: dict[str, Scores], train_seconds: float, command: str
+) -> None:
+    num_params = sum(p.numel() for p in model.parameters())
+    weights_mb = (out / "model.safetensors").stat().st_size / 1e6
+    config = ", ".join(f"{k}={v}" for k, v in ARITH_CONFIG.items())
+    tasks = ", ".join(f"`{name}`" for name in recipe.tasks)
+    examples = "\n".join(
+        f"- `{name}`: `{TASKS[name].eval_set()[0].prompt}` -> `{TASKS[name].eval_set()[0].answer}`"
+        for name in recipe.tasks
+    )
+    table = "\n".join(f"| {name} | {s.greedy_accuracy:.3f} | {s.sampled_reward:.3f} |" for name, s in scores.items())
+    card = f"""# tiny-arith
+
+plexrl's shipped task model: a small Qwen2 decoder pretrained from scratch by
+`plexrl.models.pretrain` on synthetic problems of the tasks in `plexrl.tasks` ({tasks}),
+deliberately only to *partial* competence so that RL (GRPO) has held-out reward to gain.
+
+## Model
+
+- Architecture: `Qwen2ForCausalLM`; {config}
+- Parameters: {num_params:,} ({weights_mb:.1f} MB of float32 safetensors)
+- Tokenizer: `plexrl.models.CharTokenizer`, one id per character (pad=0, bos=1, eos=2,
+  ids {len(SPECIAL_TOKENS) + len(ALPHABET)}-{VOCAB_SIZE - 1} unused), also saved as `tokenizer.json` for `transformers.AutoTokenizer`.
+- Format: the model reads `[bos] + encode(prompt)` and writes the answer's characters, then EOS:
+
+{examples}
+
+## How it was made
+
+- Data: fresh training problems from `Task.sample` (never the held-out side of the split), drawn
+  anew every step; each task's share of the batch is steered by its accuracy (below).
+- Mixture and stopping: every {recipe.check_every} steps, greedy accuracy on {recipe.validation_size} validation problems
+  per task (training-side problems kept out of training). Until the next check a task gets
+  {recipe.problems_below_band} problems per step while below {recipe.band[0]:g}, {recipe.problems_in_band} while in [{recipe.band[0]:g}, {recipe.band[1]:g}], and none above.
+  Training ends at the first check where every task is in that band. (Reversal is learnt several
+  times faster than addition and, once learnt, is near perfect; without steering it would be
+  solved long before addition started.)
+- Loss: cross-entropy on the answer tokens and EOS only.
+- Optimiser: AdamW, lr {recipe.lr:g} after {recipe.warmup_steps} linear warmup steps, weight decay {recipe.weight_decay:g},
+  gradient norm clipped at 1.0; seed {recipe.seed}.
+- Steps: {steps} (cap {recipe.max_steps}).
+- Time: {train_seconds:.0f} s of training (checks included) on 2 CPU threads, torch {torch.__version__}.
+- Command (from the repository root, with `src` on the path): `{command}`
+
+## Baseline held-out scores
+
+On each task's `eval_set()` ({EVAL_SIZE} problems, disjoint from all training problems): greedy
+accuracy, and the mean reward of temperature-1 samples ({SAMPLES_PER_PROBLEM} per problem, up to {MAX_NEW_TOKENS} new
+tokens, no top-k/top-p), which is what RL starts from.
+
+| task | greedy accuracy | T=1 mean reward |
+|---|---|---|
+{table}
+
+## Notes for RL
+
+The competence is shallow and easily moved: during pretraining a task's validation accuracy often
+swung by tens of points within {recipe.check_every} steps once its share of the batch changed (reversal
+most of all). Expect RL to raise reward quickly, especially on `rev`, and prefer small learning rates
+when a run should show a gradual curve.
+"""
+    (out / "MODEL_CARD.md").write_text(card)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Verifiable tasks for RL on plexrl's shipped model: prompts, exact answers, 0/1 rewards.
+
+Pure Python and numpy. ``get_task("add").sample(n, rng)`` gives training problems,
+``.eval_set()`` a disjoint held-out set, and ``.score(problem, completion)`` the reward.
+"""
+
+from plexrl.tasks._base import EVAL_SIZE, Problem, Task, is_held_out
+from plexrl.tasks.arithmetic import Add, Mul
+from plexrl.tasks.strings import Reverse
+
+TASKS: dict[str, Task] = {task.name: task for task in (Add(), Mul(), Reverse())}
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; a ``ValueError`` lists the valid names otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
+
+
+__all__ = ["EVAL_SIZE", "TASKS", "Add", "Mul", "Problem", "Reverse", "Task", "get_task", "is_held_out"]

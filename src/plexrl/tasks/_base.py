@@ -1,0 +1,61 @@
+"""What a verifiable task is: problems with one right answer, a training sampler, a held-out set.
+
+The problem space is split once by a stable hash of the prompt: a prompt is held out iff
+``crc32(prompt) % 10 == 0``. :meth:`Task.sample` never returns a held-out prompt and
+:meth:`Task.eval_set` returns only held-out ones, so evaluation never sees a training problem.
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+
+import msgspec
+import numpy as np
+
+from plexrl.models.tokenizer import EOS_TOKEN
+
+EVAL_SIZE = 200
+
+
+class Problem(msgspec.Struct, frozen=True):
+    prompt: str  # what the model is given after BOS, e.g. "123+45="
+    answer: str  # the exact completion that earns reward 1.0, e.g. "168"
+
+
+def is_held_out(prompt: str) -> bool:
+    """Whether ``prompt`` belongs to the evaluation side of the split (about one prompt in ten)."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+class Task(ABC):
+    """A family of problems: subclasses name it and say how to draw one problem at random."""
+
+    name: str
+
+    @abstractmethod
+    def draw(self, rng: np.random.Generator) -> Problem:
+        """One problem from the whole space, held-out ones included."""
+
+    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
+        """``n`` training problems (repeats possible, none held out); deterministic given ``rng``."""
+        problems: list[Problem] = []
+        while len(problems) < n:
+            problem = self.draw(rng)
+            if not is_held_out(problem.prompt):
+                problems.append(problem)
+        return problems
+
+    def eval_set(self) -> list[Problem]:
+        """The fixed held-out set: :data:`EVAL_SIZE` distinct problems, the same on every call."""
+        rng = np.random.default_rng(zlib.crc32(f"eval:{self.name}".encode()))
+        problems: dict[str, Problem] = {}
+        while len(problems) < EVAL_SIZE:
+            problem = self.draw(rng)
+            if is_held_out(problem.prompt):
+                problems.setdefault(problem.prompt, problem)
+        return list(problems.values())
+
+    def score(self, problem: Problem, completion: str) -> float:
+        """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer."""
+        return 1.0 if completion.split(EOS_TOKEN, 1)[0].strip() == problem.answer else 0.0
