@@ -71,7 +71,7 @@ class Client:
         self._tasks = [asyncio.create_task(self._receive_loop(), name="plexrl-client-receive")]
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                welcome: m.Welcome = await self.request(m.Hello(client_name=self.name), _expect(m.Welcome))
+                welcome: m.Welcome = await self.request(m.Hello(client_name=self.name), expect(m.Welcome))
         except TimeoutError:
             await self._close(CoordinatorLostError("never connected"))
             raise CoordinatorLostError(
@@ -144,17 +144,17 @@ class Client:
             entry[0].set_exception(CoordinatorLostError(f"could not send to the coordinator: {sent.exception()}"))
 
     def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
-        return self.request(m.Submit(job_id=job_id, call=call), _expect_result(result_type))
+        return self.request(m.Submit(job_id=job_id, call=call), expect_result(result_type))
 
     async def open_job(self, name: str, spec: calls.JobSpec) -> tuple[str, calls.Opened]:
-        done: m.CallDone = await self.request(m.OpenJob(name=name, spec=spec), _expect(m.CallDone))
+        done: m.CallDone = await self.request(m.OpenJob(name=name, spec=spec), expect(m.CallDone))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
         return done.job_id, done.result
 
     async def status(self, min_workers: int = 0) -> m.StatusReply:
         """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""
-        return await self.request(m.StatusRequest(min_workers=min_workers), _expect(m.StatusReply))
+        return await self.request(m.StatusRequest(min_workers=min_workers), expect(m.StatusReply))
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -211,7 +211,9 @@ class Client:
                 fut.set_exception(type(err)(err.message))
 
 
-def _expect(t: type[T]) -> Callable[[Any], T]:
+def expect(t: type[T]) -> Callable[[Any], T]:
+    """An ``unwrap`` for :meth:`Client.request` whose reply must be a ``t`` message."""
+
     def unwrap(msg: Any) -> T:
         if not isinstance(msg, t):
             raise PlexError(f"expected {t.__name__} from the coordinator, got {type(msg).__name__}")
@@ -220,7 +222,9 @@ def _expect(t: type[T]) -> Callable[[Any], T]:
     return unwrap
 
 
-def _expect_result(t: type[T]) -> Callable[[Any], T]:
+def expect_result(t: type[T]) -> Callable[[Any], T]:
+    """An ``unwrap`` for a submitted call whose ``CallDone`` must carry a ``t`` result."""
+
     def unwrap(msg: Any) -> T:
         if not isinstance(msg, m.CallDone) or not isinstance(msg.result, t):
             got = type(msg.result if isinstance(msg, m.CallDone) else msg).__name__

@@ -43,7 +43,8 @@ class LocalCluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
         self.start_timeout_s = start_timeout_s
-        self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        # One core stays free for the coordinator and the clients, whose latency every call pays.
+        self.threads_per_worker = threads_per_worker or max(1, ((os.cpu_count() or 1) - 1) // workers)
         self.log_level = log_level
         self.max_message_bytes = max_message_bytes
         self.address = ""
