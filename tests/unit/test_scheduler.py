@@ -3,6 +3,7 @@ then invariants over random event sequences (hypothesis)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,34 +40,32 @@ def test_opening_a_job_without_workers_fails_with_no_workers() -> None:
     assert isinstance(action, Fail) and action.call_id is None and isinstance(action.error, NoWorkersError)
 
 
-def test_a_jobs_calls_run_one_at_a_time_in_submission_order() -> None:
-    actions = run(
-        [
-            WorkerJoined("w0", slots=4),
-            JobOpened("a"),
-            CallSubmitted(1, "a", "generate"),
-            CallSubmitted(2, "a", "forward_backward"),
-            CallSubmitted(3, "a", "optim_step"),
-            CallFinished(1),
-            CallFinished(2),
-        ]
-    )
-    assert [a for a in actions if isinstance(a, Dispatch)] == [Dispatch(1, "w0"), Dispatch(2, "w0"), Dispatch(3, "w0")]
+DISPATCH_ORDER = {
+    "a job's calls run one at a time in submission order": [
+        WorkerJoined("w0", slots=4),
+        JobOpened("a"),
+        CallSubmitted(1, "a", "generate"),
+        CallSubmitted(2, "a", "forward_backward"),
+        CallSubmitted(3, "a", "optim_step"),
+        CallFinished(1),
+        CallFinished(2),
+    ],
+    "a busy worker takes the oldest waiting call next": [
+        WorkerJoined("w0"),
+        JobOpened("a"),
+        JobOpened("b"),
+        CallSubmitted(1, "a", "generate"),
+        CallSubmitted(2, "b", "generate"),
+        CallSubmitted(3, "a", "generate"),
+        CallFinished(1),
+        CallFinished(2),
+    ],
+}
 
 
-def test_a_busy_worker_takes_the_oldest_waiting_call_next() -> None:
-    actions = run(
-        [
-            WorkerJoined("w0"),
-            JobOpened("a"),
-            JobOpened("b"),
-            CallSubmitted(1, "a", "generate"),
-            CallSubmitted(2, "b", "generate"),
-            CallSubmitted(3, "a", "generate"),
-            CallFinished(1),
-            CallFinished(2),
-        ]
-    )
+@pytest.mark.parametrize("events", DISPATCH_ORDER.values(), ids=DISPATCH_ORDER.keys())
+def test_calls_are_dispatched_in_order(events: list) -> None:
+    actions = run(events)
     assert [a for a in actions if isinstance(a, Dispatch)] == [Dispatch(1, "w0"), Dispatch(2, "w0"), Dispatch(3, "w0")]
 
 
