@@ -124,7 +124,7 @@ def _worker(args: argparse.Namespace) -> int:
         memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)),
         max_message_bytes=args.max_message_bytes,
     )
-    asyncio.run(run_worker(config))
+    run_worker(config)
     return 0
 
 

@@ -76,3 +76,33 @@ async def _exited(pid: int) -> None:
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+async def test_a_worker_registers_again_with_a_coordinator_restarted_after_a_crash() -> None:
+    """No Shutdown notice reaches the worker (SIGKILL); the new coordinator does not know the
+    worker's heartbeats, answers them with Shutdown, and the worker registers with it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    beat = ["--heartbeat-interval", "0.2", "--heartbeat-liveness", "50"]  # 10 s: liveness alone is too slow
+    first = await _plexrl("coordinator", "--bind", address, *beat, stdout=None)
+    worker = await _plexrl("worker", "--coordinator", address, "--name", "survivor", stdout=None)
+    try:
+        async with asyncio.timeout(60), plexrl.connect(address) as client:
+            assert [w.name for w in (await client.status(min_workers=1)).workers] == ["survivor"]
+        first.kill()
+        await first.wait()
+        second = await _plexrl("coordinator", "--bind", address, *beat, stdout=None)
+        try:
+            async with asyncio.timeout(8), plexrl.connect(address) as client:
+                status = await client.status(min_workers=1)
+                assert [w.name for w in status.workers] == ["survivor"]
+                assert status.workers[0].pid == worker.pid
+        finally:
+            second.terminate()
+            await second.wait()
+    finally:
+        worker.terminate()
+        await worker.wait()

@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from plexrl.errors import CoordinatorLostError, PlexError, from_wire
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
 from plexrl.protocol.liveness import Liveness
+from plexrl.protocol.pump import Frames, Pump
 
 log = logging.getLogger("plexrl.client")
 
@@ -54,21 +54,21 @@ class Client:
         self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], Any]]] = {}
         self._dead: PlexError | None = None
         self._liveness: Liveness | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pump: Pump | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._token: contextvars.Token[Client | None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Client:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.connect(self.address)
-        self._sock = sock
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="plexrl-client-receive")]
+        self._pump = Pump(sock, self._on_frames)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 welcome: m.Welcome = await self.request(m.Hello(client_name=self.name), expect(m.Welcome))
@@ -107,9 +107,9 @@ class Client:
             with contextlib.suppress(asyncio.CancelledError, PlexError):
                 await t
         self._tasks = []
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self._pump is not None:
+            self._pump.close()
+            self._pump = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -125,23 +125,17 @@ class Client:
         """Send ``msg`` now (with a fresh request id) and return the future of its reply."""
         if self._dead is not None:
             raise type(self._dead)(self._dead.message)
-        if self._sock is None:
+        if self._pump is None:
             raise CoordinatorLostError("the client is not connected: use `async with plexrl.connect(...)`")
         rid = next(self._rids)
         frames = self._codec.encode(msgspec.structs.replace(msg, rid=rid))
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        try:
+            self._pump.send(frames)
+        except zmq.ZMQError as e:  # EAGAIN: 100k messages queued and the coordinator reads none
+            raise CoordinatorLostError(f"could not send to the coordinator at {self.address}: {e}") from None
         self._pending[rid] = (fut, unwrap)
-        sent = self._sock.send_multipart(frames, copy=False)
-        assert isinstance(sent, asyncio.Future)  # zmq.asyncio sends return futures
-        sent.add_done_callback(lambda s: self._on_sent(rid, s))
         return fut
-
-    def _on_sent(self, rid: int, sent: asyncio.Future[Any]) -> None:
-        if sent.cancelled() or sent.exception() is None:
-            return
-        entry = self._pending.pop(rid, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_exception(CoordinatorLostError(f"could not send to the coordinator: {sent.exception()}"))
 
     def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
         return self.request(m.Submit(job_id=job_id, call=call), expect_result(result_type))
@@ -158,42 +152,40 @@ class Client:
 
     # -- loops ----------------------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            if self._liveness is not None:
-                self._liveness.heard()
-            try:
-                msg = self._codec.decode(frames)
-            except PlexError as e:
-                log.error("undecodable message from the coordinator: %s", e)
-                continue
-            if isinstance(msg, m.Heartbeat):
-                continue
-            if isinstance(msg, m.Shutdown):
-                self._dead = CoordinatorLostError(f"{msg.reason} ({self.address})")
-                self._fail_all(self._dead)
-                continue
-            entry = self._pending.pop(msg.rid, None)
-            if entry is None:
-                continue  # the caller gave up on it (cancelled)
-            fut, unwrap = entry
-            if fut.done():
-                continue
-            if isinstance(msg, m.ErrorReply):
-                fut.set_exception(from_wire(msg.code, msg.message))
-                continue
-            try:
-                fut.set_result(unwrap(msg))
-            except PlexError as e:
-                fut.set_exception(e)
+    def _on_frames(self, frames: Frames) -> None:
+        if self._liveness is not None:
+            self._liveness.heard()
+        try:
+            msg = self._codec.decode(frames)
+        except PlexError as e:
+            log.error("undecodable message from the coordinator: %s", e)
+            return
+        if isinstance(msg, m.Heartbeat):
+            return
+        if isinstance(msg, m.Shutdown):
+            self._dead = CoordinatorLostError(f"{msg.reason} ({self.address})")
+            self._fail_all(self._dead)
+            return
+        entry = self._pending.pop(msg.rid, None)
+        if entry is None:
+            return  # the caller gave up on it (cancelled)
+        fut, unwrap = entry
+        if fut.done():
+            return
+        if isinstance(msg, m.ErrorReply):
+            fut.set_exception(from_wire(msg.code, msg.message))
+            return
+        try:
+            fut.set_result(unwrap(msg))
+        except PlexError as e:
+            fut.set_exception(e)
 
     async def _heartbeat_loop(self, interval: float, liveness: int) -> None:
-        assert self._sock is not None
         self._liveness = live = Liveness(liveness)
         while True:
-            await self._sock.send_multipart(self._codec.encode(m.Heartbeat()))
+            if self._pump is not None:
+                with contextlib.suppress(zmq.Again):  # a full queue: the liveness count decides
+                    self._pump.send(self._codec.encode(m.Heartbeat()))
             await asyncio.sleep(interval)
             if not live.tick():
                 err = CoordinatorLostError(

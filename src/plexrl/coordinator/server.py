@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from plexrl.coordinator import scheduler as sch
 from plexrl.errors import (
@@ -34,6 +33,7 @@ from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
 from plexrl.protocol.liveness import Liveness
+from plexrl.protocol.pump import Frames, Pump
 
 log = logging.getLogger("plexrl.coordinator")
 
@@ -106,12 +106,12 @@ class Coordinator:
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
         self._stopping = asyncio.Event()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._pump: Pump | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
@@ -122,19 +122,18 @@ class Coordinator:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.bind(re.sub(r":0$", ":*", self.config.bind))
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sock = sock
+        self._pump = Pump(sock, self._on_frames)
         log.info("coordinator listening on %s", self.address)
         if on_ready is not None:
             on_ready(self.address)
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._receive_loop()), tg.create_task(self._liveness_loop())]
+                liveness = tg.create_task(self._liveness_loop())
                 await self._stopping.wait()
-                for t in tasks:
-                    t.cancel()
+                liveness.cancel()
         finally:
             self._fail_everything()
-            sock.close(linger=0)
+            self._pump.close()
             ctx.term()
             log.info("coordinator stopped")
 
@@ -151,21 +150,18 @@ class Coordinator:
 
     # -- loops ----------------------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            ident, body = frames[0].bytes, frames[1:]
-            try:
-                msg = self._codec.decode(body)
-            except PlexError as e:
-                log.warning("bad message from %s: %s", ident.hex(), e)
-                self._reply_error(ident, rid_of(e), e)
-                continue
-            try:
-                self._on_message(ident, msg)
-            except PlexError as e:
-                self._reply_error(ident, msg.rid, e)
+    def _on_frames(self, frames: Frames) -> None:
+        ident, body = frames[0].bytes, frames[1:]
+        try:
+            msg = self._codec.decode(body)
+        except PlexError as e:
+            log.warning("bad message from %s: %s", ident.hex(), e)
+            self._reply_error(ident, rid_of(e), e)
+            return
+        try:
+            self._on_message(ident, msg)
+        except PlexError as e:
+            self._reply_error(ident, msg.rid, e)
 
     async def _liveness_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -183,6 +179,13 @@ class Coordinator:
         if worker_id is not None:
             self._workers[worker_id].liveness.heard()
         match msg:
+            case m.Heartbeat(rid=rid, worker=call_ident) if call_ident:
+                known = self._worker_by_ident.get(call_ident)
+                if known is None:
+                    self._send(ident, m.Shutdown(rid=rid, reason="this worker is not registered here"))
+                else:
+                    self._workers[known].liveness.heard()
+                    self._send(ident, m.Heartbeat(rid=rid))
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid))
             case m.Hello(rid=rid):
@@ -327,14 +330,18 @@ class Coordinator:
     # -- outbound -------------------------------------------------------------------------------
 
     def _send(self, ident: bytes, msg: msgspec.Struct) -> None:
-        assert self._sock is not None
+        assert self._pump is not None
         try:
             frames = self._codec.encode(msg)
         except PlexError as e:  # a result too large for the wire: tell the client instead
             frames = self._codec.encode(m.ErrorReply(rid=getattr(msg, "rid", 0), code=e.code, message=e.message))
-        fut = self._sock.send_multipart([ident, *frames], copy=False)
-        assert isinstance(fut, asyncio.Future)  # zmq.asyncio sends return futures
-        fut.add_done_callback(lambda f: _log_send_failure(f, ident))
+        try:
+            self._pump.send([ident, *frames])
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                log.debug("%s left before its %s could be sent", ident.hex(), type(msg).__name__)  # a closed client
+            else:  # EAGAIN: the peer stopped reading and its queue is full
+                log.warning("could not send %s to %s: %s", type(msg).__name__, ident.hex(), e)
 
     def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
@@ -383,16 +390,6 @@ def _validate(call: calls.Call) -> None:
             tokens.check("tokens")
         case calls.Save(path=path) | calls.Load(path=path) if not path:
             raise InvalidRequestError("save/load need a non-empty path")
-
-
-def _log_send_failure(fut: asyncio.Future[object], ident: bytes) -> None:
-    if fut.cancelled():
-        return
-    exc = fut.exception()
-    if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
-        log.debug("%s left before its reply could be sent", ident.hex())  # a closed client
-    elif exc is not None:
-        log.warning("could not send to %s: %s", ident.hex(), exc)
 
 
 async def run_coordinator(config: CoordinatorConfig, on_ready: Callable[[str], None] | None = None) -> None:

@@ -12,6 +12,7 @@ A ``Codec`` keeps per-call state, so each thread or task that decodes needs its 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -131,7 +132,7 @@ class Codec(Generic[T]):
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError("array shape must be a list of non-negative ints")
         dt = np.dtype(dtype)
-        if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != buf.nbytes:
+        if math.prod(shape) * dt.itemsize != buf.nbytes:
             raise ValueError(f"array of shape {shape} and dtype {dtype} does not match its {buf.nbytes}-byte frame")
         arr = np.frombuffer(buf, dtype=dt).reshape(shape)
         return arr.copy() if self.copy_arrays else arr

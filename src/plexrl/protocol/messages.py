@@ -30,7 +30,14 @@ class Header(msgspec.Struct):
 
 
 class Heartbeat(Envelope, tag="heartbeat", frozen=True):
-    """Sent every interval by clients and workers; the coordinator answers each one."""
+    """Sent every interval by clients and workers; the coordinator answers each one.
+
+    A worker heartbeats from a socket of its own (its call socket is busy while it computes)
+    and names its call socket's identity in ``worker``; the coordinator answers a worker it does
+    not know with ``Shutdown``, so a worker that was declared lost, or outlived a coordinator
+    restart, registers again."""
+
+    worker: bytes = b""
 
 
 class CallDone(Envelope, tag="call_done", frozen=True):
