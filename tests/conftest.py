@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Workers default to vLLM where it is installed; the suite runs on the light transformers sampler
+# except where a test asks for vLLM (tests/vllm), so its results do not depend on what is installed.
+os.environ.setdefault("PLEXRL_SAMPLER", "hf")
 
 
 @pytest.fixture(scope="session")

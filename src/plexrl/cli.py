@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
     p.add_argument("--memory-budget-gb", type=float, default=8.0, help="device memory this worker may use")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--sampler",
+        choices=["vllm", "hf"],
+        default=None,
+        help="generation engine: vllm (default where installed; $PLEXRL_SAMPLER overrides) or hf (transformers)",
+    )
     _common(p)
 
     p = sub.add_parser("local", help="run an embedded coordinator and workers until Ctrl-C")
@@ -107,7 +113,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from plexrl.worker.server import WorkerConfig, run_worker
+    from plexrl.worker.server import WorkerConfig, default_sampler, run_worker
 
     _die_with_parent(args.parent_pid)
     # Idle OpenMP threads spinning after each op would steal the cores that the coordinator,
@@ -123,6 +129,7 @@ def _worker(args: argparse.Namespace) -> int:
         name=args.name,
         memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)),
         max_message_bytes=args.max_message_bytes,
+        sampler=args.sampler or default_sampler(),
     )
     run_worker(config)
     return 0

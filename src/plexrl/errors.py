@@ -25,6 +25,7 @@ __all__ = [
     "NotJobOwnerError",
     "PlexError",
     "ProtocolVersionError",
+    "SamplerUnavailableError",
     "UnknownJobError",
     "WorkerLostError",
     "from_wire",
@@ -116,6 +117,12 @@ class CoordinatorLostError(PlexError, ConnectionError):
     """The coordinator stopped answering heartbeats, or shut down."""
 
     code = "coordinator_lost"
+
+
+class SamplerUnavailableError(PlexError, RuntimeError):
+    """The worker's sampler engine (vLLM) is not installed or does not import on its host."""
+
+    code = "sampler_unavailable"
 
 
 class LocalClusterError(PlexError, RuntimeError):

@@ -35,6 +35,7 @@ class LocalCluster:
         threads_per_worker: int | None = None,
         log_level: str = "WARNING",
         max_message_bytes: int | None = None,
+        sampler: str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -47,6 +48,7 @@ class LocalCluster:
         self.threads_per_worker = threads_per_worker or max(1, ((os.cpu_count() or 1) - 1) // workers)
         self.log_level = log_level
         self.max_message_bytes = max_message_bytes
+        self.sampler = sampler  # "vllm" | "hf"; None = the worker's default
         self.address = ""
         self.coordinator: asyncio.subprocess.Process | None = None
         self.worker_processes: list[asyncio.subprocess.Process] = []
@@ -100,6 +102,7 @@ class LocalCluster:
                 "--device", self.device,
                 "--name", f"local-{i}",
                 "--threads", str(self.threads_per_worker),
+                *(["--sampler", self.sampler] if self.sampler else []),
                 *extra,
             )  # fmt: skip
             self.worker_processes.append(await asyncio.create_subprocess_exec(*cmd))

@@ -127,6 +127,7 @@ class Register(Envelope, tag="register", frozen=True):
     engines: list[str]
     memory_budget_bytes: int
     pid: int
+    slots: int = 1  # calls it runs at once (a vLLM sampler serves many jobs' generates together)
 
 
 # -- coordinator -> worker ---------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """The in-process compute engine of a worker: a table of open jobs and one entry point, ``execute``.
 
-``execute`` is synchronous and not thread-safe: the worker server runs it on one dedicated
-executor thread, one call at a time. Typed plexrl errors mean the caller must change something;
+``execute`` is synchronous and not thread-safe: the worker server runs it on its main thread,
+one call at a time. ``start`` is the one way around that: with the vLLM sampler, a LoRA job's
+``generate`` starts on vLLM's engine and returns a future, so other jobs' calls go on meanwhile. Typed plexrl errors mean the caller must change something;
 anything else propagates as-is and the server reports it as a failed call.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import torch
 
@@ -26,19 +29,36 @@ from plexrl.protocol.calls import (
     SyncWeights,
 )
 from plexrl.worker.models import ModelCache
+from plexrl.worker.sampler.vllm import VllmSampler
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Job, Weights, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
 
 
 class Engine:
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", sampler: str = "hf") -> None:
+        if sampler not in ("hf", "vllm"):
+            raise ValueError(f"sampler={sampler!r}: choose 'vllm' or 'hf'")
         self.device = torch.device(device)
+        self.sampler = sampler
         self._models = ModelCache(self.device)
+        self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, Job] = {}
 
     def job_ids(self) -> list[str]:
         return list(self._jobs)
+
+    def start(self, job_id: str, call: Call) -> Future[Result] | None:
+        job = self._jobs.get(job_id)
+        if isinstance(call, Generate) and job is not None and job.vllm is not None:
+            return job.generate_async(call.prompts, call.params)  # type: ignore[return-value]
+        return None
+
+    def close(self) -> None:
+        for sampler in self._vllm.values():
+            sampler.close()
+        self._vllm.clear()
+        self._jobs.clear()
 
     def execute(self, job_id: str, call: Call) -> Result:
         if isinstance(call, Open):
@@ -71,7 +91,19 @@ class Engine:
             raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
         check_spec(spec)
         base = self._models.get(spec.model)
+        vllm = None
+        if self.sampler == "vllm" and spec.lora is not None:  # full fine-tune jobs sample with hf for now
+            vllm = self._vllm_for(spec.model)
+            vllm.check_rank(spec.lora.rank)
         weights: Weights = FullWeights(base) if spec.lora is None else LoraWeights(base, spec.lora, spec.seed)
-        job = Job(spec, base, weights)
+        job = Job(spec, base, weights, vllm=vllm, key=job_id)
         self._jobs[job_id] = job
         return job.opened()
+
+    def _vllm_for(self, model: str) -> VllmSampler:
+        import os
+
+        key = os.path.abspath(model)
+        if key not in self._vllm:
+            self._vllm[key] = VllmSampler(model, self.device.type)
+        return self._vllm[key]

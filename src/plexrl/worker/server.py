@@ -1,7 +1,9 @@
 """The worker process: registers with the coordinator, executes calls, heartbeats both ways.
 
 The main thread owns the call socket and runs each call on the engine as it arrives, with no
-hand-off between threads on the critical path. Heartbeats go from a thread and a socket of their
+hand-off between threads on the critical path. The one exception is sampling with vLLM: the
+engine starts a ``generate`` and hands back a future, the main thread goes on serving, and the
+reply goes out when the future completes (so many jobs' generates share vLLM's batches). Heartbeats go from a thread and a socket of their
 own, so a long training step never silences the worker. If the coordinator stops answering (or
 no longer knows this worker) the worker drops every job's state and registers again (zguide's
 Paranoid Pirate), because the coordinator that comes back knows none of them.
@@ -11,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,12 +32,28 @@ from plexrl.protocol.liveness import Liveness
 log = logging.getLogger("plexrl.worker")
 
 POLL_MS = 100  # how often an idle worker checks for stop and for a lost coordinator
+VLLM_SLOTS = 64  # calls a vLLM worker accepts at once (generates overlap; other calls queue here)
 
 
 class CallEngine(Protocol):
     """What the worker needs of an engine (the real one is ``plexrl.worker.engine.Engine``)."""
 
+    def start(self, job_id: str, call: calls.Call) -> Future[calls.Result] | None:
+        """Start ``call`` in the background and return its future, or None to run it with ``execute``."""
+        ...
+
     def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
+
+    def close(self) -> None:
+        """Free everything (engine processes included); the engine is not used again."""
+        ...
+
+
+def default_sampler() -> str:
+    """``$PLEXRL_SAMPLER``, else vllm where it is installed, else hf."""
+    from plexrl.worker.sampler import vllm
+
+    return os.environ.get("PLEXRL_SAMPLER") or ("vllm" if vllm.available() else "hf")
 
 
 @dataclass
@@ -43,6 +64,7 @@ class WorkerConfig:
     memory_budget_bytes: int = 8 << 30
     register_timeout_s: float = 60.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    sampler: str = "hf"  # "vllm" | "hf"
 
 
 class _CoordinatorLost(Exception):
@@ -59,6 +81,11 @@ class Worker:
             m.CoordinatorToWorker, max_bytes=config.max_message_bytes, copy_arrays=True
         )
         self._stopping = threading.Event()
+        # Background calls (vLLM generates) finish on another thread: their outcomes queue here
+        # and a byte on the pipe wakes the main thread's poll.
+        self._finished: queue.SimpleQueue[tuple[m.Execute, float, Future[calls.Result]]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -68,7 +95,7 @@ class Worker:
             return self._make_engine()
         from plexrl.worker.engine import Engine
 
-        return Engine(device=self.config.device)
+        return Engine(device=self.config.device, sampler=self.config.sampler)
 
     def serve(self) -> None:
         """Register, serve, and register again whenever the coordinator is lost, until stopped."""
@@ -80,8 +107,10 @@ class Worker:
                     self._session(ctx, engine)
                 except _CoordinatorLost as e:
                     log.info("coordinator lost (%s): dropping all job state and registering again", e)
+                    engine.close()
                     engine = self._new_engine()
         finally:
+            engine.close()
             ctx.term()
 
     def _session(self, ctx: zmq.Context[zmq.Socket[bytes]], engine: CallEngine) -> None:
@@ -108,9 +137,10 @@ class Worker:
             rid=1,
             name=self.config.name or f"{os.uname().nodename}:{os.getpid()}",
             device=self.config.device,
-            engines=["hf"],
+            engines=[self.config.sampler],
             memory_budget_bytes=self.config.memory_budget_bytes,
             pid=os.getpid(),
+            slots=VLLM_SLOTS if self.config.sampler == "vllm" else 1,
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
@@ -122,10 +152,16 @@ class Worker:
         raise _CoordinatorLost(f"no answer to registration within {self.config.register_timeout_s} s")
 
     def _serve_calls(self, sock: zmq.Socket[bytes], engine: CallEngine, beat: _Heartbeat) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stopping.is_set():
             if beat.lost:
                 raise _CoordinatorLost(beat.lost)
-            if not sock.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if self._wake_r in ready:
+                self._send_finished(sock)
+            if sock not in ready:
                 continue
             frames = sock.recv_multipart(copy=False)
             try:
@@ -134,17 +170,45 @@ class Worker:
                 log.error("dropping undecodable message from the coordinator: %s", e)
                 continue
             if isinstance(msg, m.Execute):
-                sock.send_multipart(self._run(engine, msg), copy=False)
+                self._execute(sock, engine, msg)
             elif isinstance(msg, m.Shutdown):
                 raise _CoordinatorLost(msg.reason)
 
-    def _run(self, engine: CallEngine, ex: m.Execute) -> list[bytes | memoryview]:
+    def _execute(self, sock: zmq.Socket[bytes], engine: CallEngine, ex: m.Execute) -> None:
+        start = time.perf_counter()
+        try:
+            background = engine.start(ex.job_id, ex.call)
+        except Exception as e:  # rejected before it started: reply now
+            background = Future()
+            background.set_exception(e)
+        if background is None:
+            sock.send_multipart(self._reply(ex, start, lambda: engine.execute(ex.job_id, ex.call)), copy=False)
+        else:
+            background.add_done_callback(lambda f: self._on_finished(ex, start, f))
+
+    def _on_finished(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> None:
+        self._finished.put((ex, start, fut))
+        os.write(self._wake_w, b"\0")
+
+    def _send_finished(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                break
+        while True:
+            try:
+                ex, start, fut = self._finished.get_nowait()
+            except queue.Empty:
+                return
+            sock.send_multipart(self._reply(ex, start, fut.result), copy=False)
+
+    def _reply(self, ex: m.Execute, start: float, outcome: Callable[[], calls.Result]) -> list[bytes | memoryview]:
         """The encoded reply to one call: its result, or a typed error (the worker lives on)."""
         kind = calls.CALL_KIND[type(ex.call)]
         reply: m.CallDone | m.ErrorReply
-        start = time.perf_counter()
         try:
-            result = engine.execute(ex.job_id, ex.call)
+            result = outcome()
             reply = m.CallDone(rid=ex.rid, job_id=ex.job_id, result=result, compute_s=time.perf_counter() - start)
         except PlexError as e:
             reply = m.ErrorReply(rid=ex.rid, code=e.code, message=e.message)

@@ -30,6 +30,9 @@ class FullWeights:
     def sampler_model(self) -> nn.Module:
         return self.sampler.eval()
 
+    def adapter_config(self) -> Any:
+        raise TypeError("full fine-tune jobs have no adapter")
+
     def close(self) -> None:
         self.trainer = self.sampler = None
         self.trainer_params = {}

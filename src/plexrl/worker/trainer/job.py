@@ -13,7 +13,8 @@ tokens accumulated since the last step, and two half-batch calls step exactly li
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -39,6 +40,9 @@ from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.losses import check_loss_config, compute_loss, token_logprobs
 
+if TYPE_CHECKING:
+    from plexrl.worker.sampler.vllm import VllmSampler
+
 
 class Weights(Protocol):
     """What a job trains and samples with: ``LoraWeights`` or ``FullWeights``."""
@@ -50,6 +54,7 @@ class Weights(Protocol):
 
     def trainer_model(self, train: bool) -> nn.Module: ...
     def sampler_model(self) -> nn.Module: ...
+    def adapter_config(self) -> Any: ...  # the peft LoraConfig (LoRA jobs only)
     def close(self) -> None: ...
 
 
@@ -74,10 +79,14 @@ def check_spec(spec: JobSpec) -> None:
 class Job:
     """One open job: its weights, its optimizer and its counters; one method per call kind."""
 
-    def __init__(self, spec: JobSpec, base: BaseModel, weights: Weights) -> None:
+    def __init__(
+        self, spec: JobSpec, base: BaseModel, weights: Weights, *, vllm: VllmSampler | None = None, key: str = ""
+    ) -> None:
         self.spec = spec
         self.base = base
         self.weights = weights
+        self.vllm = vllm  # where this job samples if not with hf; its adapter is published there
+        self.key = key
         self.optimizer = _new_optimizer(weights, spec.optimizer)
         self.step = 0
         self.weight_version = 0
@@ -90,6 +99,10 @@ class Job:
         return Opened(weight_version=0, trainable_params=trainable, total_params=self.weights.total_params)
 
     def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
+        return self.generate_async(prompts, params).result()
+
+    def generate_async(self, prompts: Ragged, params: SamplingParams) -> Future[Generated]:
+        """Checks now (a bad call raises here); samples on vLLM in the background, or with hf now."""
         params.validate()
         self.base.check_tokens(prompts, "prompts", min_len=1, extra_positions=params.max_tokens)
         bad = [t for t in params.stop_token_ids if t >= self.base.vocab_size]
@@ -99,6 +112,20 @@ class Job:
             )
         seed = _call_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
         self.generate_calls += 1
+        if self.vllm is not None:
+            return self.vllm.submit(
+                self.key,
+                prompts,
+                params,
+                seed=seed,
+                stop_token_ids=self.base.stop_token_ids,
+                weight_version=self.weight_version,
+            )
+        done: Future[Generated] = Future()
+        done.set_result(self._generate_hf(prompts, params, seed))
+        return done
+
+    def _generate_hf(self, prompts: Ragged, params: SamplingParams, seed: int) -> Generated:
         return hf.generate(
             self.weights.sampler_model(),
             prompts,
@@ -177,8 +204,8 @@ class Job:
         return OptimStepResult(step=self.step, grad_norm=grad_norm)
 
     def sync_weights(self) -> Synced:
-        self._publish(self.weights.trainer_params)
         self.weight_version += 1
+        self._publish(self.weights.trainer_params)
         return Synced(weight_version=self.weight_version)
 
     def save(self, path: str) -> Saved:
@@ -230,15 +257,21 @@ class Job:
         self.optimizer = optimizer
         self.step = ckpt.manifest["step"]
         self.weight_version = ckpt.manifest["weight_version"]
-        self._publish(params)
+        self._publish(params)  # with vLLM, this one can still fail (the engine died): the call then fails
         return Loaded(path=path, weight_version=self.weight_version, step=self.step)
 
     def close(self) -> Closed:
         self._discard_gradients()
+        if self.vllm is not None:
+            self.vllm.drop_adapter(self.key)
         self.weights.close()
         return Closed()
 
     def _publish(self, tensors: dict[str, nn.Parameter]) -> None:
+        """Make the sampler serve ``tensors`` as version ``weight_version``."""
+        if self.vllm is not None:
+            self.vllm.set_adapter(self.key, self.weight_version, dict(tensors), self.weights.adapter_config())
+            return
         with torch.no_grad():
             for k, t in tensors.items():
                 self.weights.sampler_params[k].copy_(t)

@@ -59,6 +59,9 @@ class LoraWeights:
         self.host.set_adapter(self.sampler_name, inference_mode=True)
         return self.host.eval()
 
+    def adapter_config(self) -> Any:
+        return self.host.peft_config[self.trainer_name]
+
     def close(self) -> None:
         host = self.host
         others = [a for a in host.peft_config if a not in (self.trainer_name, self.sampler_name)]
