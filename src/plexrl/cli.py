@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="generation engine: vllm (default where installed; $PLEXRL_SAMPLER overrides) or hf (transformers)",
     )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        choices=[1, 8, 16, 32, 64, 128, 256],
+        default=8,
+        help="vllm: the largest LoRA rank jobs may use (every adapter is padded to it; keep it small)",
+    )
     _common(p)
 
     p = sub.add_parser("local", help="run an embedded coordinator and workers until Ctrl-C")
@@ -130,6 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
         memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)),
         max_message_bytes=args.max_message_bytes,
         sampler=args.sampler or default_sampler(),
+        max_lora_rank=args.max_lora_rank,
     )
     run_worker(config)
     return 0

@@ -29,18 +29,19 @@ from plexrl.protocol.calls import (
     SyncWeights,
 )
 from plexrl.worker.models import ModelCache
-from plexrl.worker.sampler.vllm import VllmSampler
+from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Job, Weights, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
 
 
 class Engine:
-    def __init__(self, device: str = "cpu", sampler: str = "hf") -> None:
+    def __init__(self, device: str = "cpu", sampler: str = "hf", vllm_config: VllmConfig | None = None) -> None:
         if sampler not in ("hf", "vllm"):
             raise ValueError(f"sampler={sampler!r}: choose 'vllm' or 'hf'")
         self.device = torch.device(device)
         self.sampler = sampler
+        self.vllm_config = vllm_config or VllmConfig()
         self._models = ModelCache(self.device)
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, Job] = {}
@@ -105,5 +106,5 @@ class Engine:
 
         key = os.path.abspath(model)
         if key not in self._vllm:
-            self._vllm[key] = VllmSampler(model, self.device.type)
+            self._vllm[key] = VllmSampler(model, self.device.type, self.vllm_config)
         return self._vllm[key]

@@ -65,6 +65,7 @@ class WorkerConfig:
     register_timeout_s: float = 60.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sampler: str = "hf"  # "vllm" | "hf"
+    max_lora_rank: int = 8  # vLLM only: the largest LoRA rank its jobs may use
 
 
 class _CoordinatorLost(Exception):
@@ -94,8 +95,10 @@ class Worker:
         if self._make_engine is not None:
             return self._make_engine()
         from plexrl.worker.engine import Engine
+        from plexrl.worker.sampler.vllm import VllmConfig
 
-        return Engine(device=self.config.device, sampler=self.config.sampler)
+        vllm = VllmConfig(max_lora_rank=self.config.max_lora_rank)
+        return Engine(device=self.config.device, sampler=self.config.sampler, vllm_config=vllm)
 
     def serve(self) -> None:
         """Register, serve, and register again whenever the coordinator is lost, until stopped."""
