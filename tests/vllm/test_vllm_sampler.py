@@ -22,6 +22,7 @@ import pytest
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.protocol.calls import (
     Call,
+    Close,
     ForwardBackward,
     Generate,
     Generated,
@@ -149,6 +150,47 @@ def test_no_kv_reuse_across_versions_or_adapters(engines: tuple[Engine, Engine])
         assert after_v[job].weight_version == version + 1
         _assert_same(after_v[job], after_h[job])
     assert not np.allclose(before_v["add"].logprobs.values[:4], after_v["add"].logprobs.values[:4])
+
+
+def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[Engine, Engine]) -> None:
+    """A full fine-tune job gets a vLLM engine of its own; sync_weights reloads its weights in place."""
+    spec = JobSpec(model=TINY_MODEL, lora=None, optimizer=AdamW(lr=1e-3), seed=7)
+    for engine in engines:
+        engine.execute("full", Open(spec=spec))
+    try:
+        prompts = _prompts("12+34=46, " * 6 + "5+6=", "3*4=")
+        before_v, before_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
+        _assert_same(before_v["full"], before_h["full"])
+        _train(engines, {"full": "5+6=11"})
+        after_v, after_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
+        assert after_v["full"].weight_version == 1
+        _assert_same(after_v["full"], after_h["full"])
+        assert not np.allclose(before_v["full"].logprobs.values, after_v["full"].logprobs.values, atol=1e-3)
+    finally:
+        for engine in engines:
+            engine.execute("full", Close())
+
+
+def test_sleep_on_cpu_pauses_sampling_and_wake_resumes_it(engines: tuple[Engine, Engine]) -> None:
+    """The CPU fallback for vLLM's sleep levels: scheduling pauses with requests kept in place."""
+    import time
+
+    vllm, _ = engines
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    assert not sampler.sleep_mode  # vLLM's CPU platform has none
+    call = Generate(prompts=_prompts("1+1=", "2*3="), params=GREEDY)
+    first = vllm.start("add", call)
+    assert first is not None
+    want = first.result(timeout=120)
+    sampler.sleep(1)
+    paused = vllm.start("add", call)
+    assert paused is not None
+    time.sleep(2.0)  # ample time for the call to finish, were the scheduler running
+    assert not paused.done()
+    assert sampler.wake()
+    got = paused.result(timeout=120)
+    assert isinstance(got, Generated) and isinstance(want, Generated)
+    _assert_same(got, want)
 
 
 async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:

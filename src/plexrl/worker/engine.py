@@ -56,6 +56,8 @@ class Engine:
         return None
 
     def close(self) -> None:
+        for job in self._jobs.values():
+            job.close()
         for sampler in self._vllm.values():
             sampler.close()
         self._vllm.clear()
@@ -92,16 +94,19 @@ class Engine:
             raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
         check_spec(spec)
         base = self._models.get(spec.model)
-        vllm = None
-        if self.sampler == "vllm" and spec.lora is not None:  # full fine-tune jobs sample with hf for now
-            vllm = self._vllm_for(spec.model)
+        vllm, key = None, None
+        if self.sampler == "vllm" and spec.lora is not None:
+            vllm, key = self.vllm_sampler(spec.model), job_id
             vllm.check_rank(spec.lora.rank)
+        elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
+            vllm = VllmSampler(spec.model, self.device.type, self.vllm_config, lora=False)
         weights: Weights = FullWeights(base) if spec.lora is None else LoraWeights(base, spec.lora, spec.seed)
-        job = Job(spec, base, weights, vllm=vllm, key=job_id)
+        job = Job(spec, base, weights, vllm=vllm, key=key)
         self._jobs[job_id] = job
         return job.opened()
 
-    def _vllm_for(self, model: str) -> VllmSampler:
+    def vllm_sampler(self, model: str) -> VllmSampler:
+        """The vLLM engine serving ``model``'s LoRA jobs on this worker (started on first use)."""
         import os
 
         key = os.path.abspath(model)

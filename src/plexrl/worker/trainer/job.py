@@ -80,19 +80,27 @@ class Job:
     """One open job: its weights, its optimizer and its counters; one method per call kind."""
 
     def __init__(
-        self, spec: JobSpec, base: BaseModel, weights: Weights, *, vllm: VllmSampler | None = None, key: str = ""
+        self,
+        spec: JobSpec,
+        base: BaseModel,
+        weights: Weights,
+        *,
+        vllm: VllmSampler | None = None,
+        key: str | None = None,
     ) -> None:
         self.spec = spec
         self.base = base
         self.weights = weights
-        self.vllm = vllm  # where this job samples if not with hf; its adapter is published there
+        # Where this job samples if not with hf: a shared engine serving its adapter under ``key``,
+        # or (a full fine-tune job, ``key`` None) an engine of its own, which it closes.
+        self.vllm = vllm
         self.key = key
         self.optimizer = _new_optimizer(weights, spec.optimizer)
         self.step = 0
         self.weight_version = 0
         self.generate_calls = 0
         self.pending_tokens = 0  # completion tokens whose gradients await optim_step
-        self._publish(weights.trainer_params)
+        self._publish(weights.trainer_params, initial=True)
 
     def opened(self) -> Opened:
         trainable = sum(p.numel() for p in self.weights.trainer_params.values())
@@ -262,15 +270,22 @@ class Job:
 
     def close(self) -> Closed:
         self._discard_gradients()
-        if self.vllm is not None:
+        if self.vllm is not None and self.key is not None:
             self.vllm.drop_adapter(self.key)
+        elif self.vllm is not None:
+            self.vllm.close()
+        self.vllm = None
         self.weights.close()
         return Closed()
 
-    def _publish(self, tensors: dict[str, nn.Parameter]) -> None:
+    def _publish(self, tensors: dict[str, nn.Parameter], initial: bool = False) -> None:
         """Make the sampler serve ``tensors`` as version ``weight_version``."""
-        if self.vllm is not None:
+        if self.vllm is not None and self.key is not None:
             self.vllm.set_adapter(self.key, self.weight_version, dict(tensors), self.weights.adapter_config())
+            return
+        if self.vllm is not None:
+            if not initial:  # a new engine starts with the base weights, which a new job has
+                self.vllm.refit(dict(tensors))
             return
         with torch.no_grad():
             for k, t in tensors.items():
