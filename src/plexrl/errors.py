@@ -12,6 +12,7 @@ from typing import ClassVar
 
 __all__ = [
     "BatchShapeError",
+    "CallAbortedError",
     "CallFailedError",
     "CoordinatorLostError",
     "InvalidSamplingParamsError",
@@ -105,6 +106,12 @@ class CallFailedError(PlexError, RuntimeError):
     """The engine raised while executing the call; the job and the worker are still usable."""
 
     code = "call_failed"
+
+
+class CallAbortedError(PlexError):
+    """The call was cancelled (by its caller, or by the scheduler) before it finished."""
+
+    code = "call_aborted"
 
 
 class WorkerLostError(PlexError, ConnectionError):

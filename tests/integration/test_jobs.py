@@ -111,3 +111,20 @@ async def test_status_reports_workers_and_open_jobs(cluster: Client, tiny_model:
         (info,) = [j for j in status.jobs if j.job_id == job.job_id]
         assert info.state == "open" and info.worker_id == status.workers[0].worker_id
     assert job.job_id not in [j.job_id for j in (await cluster.status()).jobs]
+
+
+async def test_cancelled_and_aborted_calls(cluster: Client, tiny_model: Path) -> None:
+    """A queued call that is cancelled (or aborted) never runs; a running call the engine cannot
+    interrupt (the hf sampler) runs to its end and an abort then changes nothing."""
+    async with plexrl.job("cancels", model=tiny_model, client=cluster) as job:
+        running = job.generate([[1, 5, 6]] * 16, plexrl.SamplingParams(n=4, max_tokens=64))
+        cancelled = job.sync_weights()
+        aborted = job.sync_weights()
+        cancelled.cancel()
+        cluster.abort(aborted)
+        cluster.abort(running)
+        with pytest.raises(plexrl.errors.CallAbortedError, match="cancelled before it ran"):
+            await aborted
+        assert len((await running).samples) == 64
+        # Neither sync ran: this one publishes version 1.
+        assert (await job.sync_weights()).weight_version == 1

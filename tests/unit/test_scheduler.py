@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexrl.coordinator.scheduler import (
+    CallCancelled,
     CallFinished,
     CallSubmitted,
     Dispatch,
@@ -69,6 +70,22 @@ def test_calls_are_dispatched_in_order(events: list) -> None:
     assert [a for a in actions if isinstance(a, Dispatch)] == [Dispatch(1, "w0"), Dispatch(2, "w0"), Dispatch(3, "w0")]
 
 
+def test_a_cancelled_queued_call_never_runs_and_a_cancelled_running_one_runs_to_its_end() -> None:
+    actions = run(
+        [
+            WorkerJoined("w0"),
+            JobOpened("a"),
+            CallSubmitted(1, "a", "generate"),
+            CallSubmitted(2, "a", "sync_weights"),
+            CallSubmitted(3, "a", "generate"),
+            CallCancelled(2),  # queued: leaves the queue
+            CallCancelled(1),  # running: the worker decides; the slot stays taken until it reports
+            CallFinished(1),
+        ]
+    )
+    assert [a for a in actions if isinstance(a, Dispatch)] == [Dispatch(1, "w0"), Dispatch(3, "w0")]
+
+
 def test_losing_a_worker_fails_its_running_and_queued_calls_and_later_ones() -> None:
     s = Scheduler()
     for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a"), JobOpened("b")]:
@@ -113,6 +130,7 @@ op = st.one_of(
     st.tuples(st.just("submit"), st.integers(0, 9)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
     st.tuples(st.just("lose"), st.integers(0, 9)),
+    st.tuples(st.just("cancel"), st.integers(0, 99)),
 )
 
 
@@ -123,7 +141,7 @@ def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -
     workers: dict[str, int] = {}  # alive worker -> slots
     homes: dict[str, str] = {}  # job -> home worker
     running: dict[int, tuple[str, str]] = {}  # call -> (job, worker)
-    outcome: dict[int, str] = {}  # call -> "dispatched" | "failed"
+    outcome: dict[int, str] = {}  # call -> "dispatched" | "failed" | "cancelled"
     submitted: dict[str, list[int]] = {}
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
@@ -134,7 +152,7 @@ def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -
                 homes[a.job_id] = a.worker_id
             elif isinstance(a, Dispatch):
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
-                assert a.call_id not in outcome, "a call is dispatched or failed exactly once"
+                assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once"
                 assert homes[job] == a.worker_id, "affinity: calls run on their job's home worker"
                 assert all(j != job for j, _ in running.values()), "one call per job at a time"
                 earlier = [c for c in submitted[job] if c < a.call_id]
@@ -142,7 +160,7 @@ def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -
                 outcome[a.call_id] = "dispatched"
                 running[a.call_id] = (job, a.worker_id)
             elif isinstance(a, Fail) and a.call_id is not None:
-                assert outcome.get(a.call_id) != "failed"
+                assert outcome.get(a.call_id) not in ("failed", "cancelled")
                 outcome[a.call_id] = "failed"
                 running.pop(a.call_id, None)
         for w, slots in workers.items():
@@ -171,6 +189,11 @@ def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -
             c = sorted(running)[arg % len(running)]
             del running[c]
             check(s.handle(CallFinished(c), t))
+        elif kind == "cancel" and next_call > 1:
+            c = 1 + arg % (next_call - 1)
+            if c not in outcome:  # still queued: it leaves its queue for good
+                outcome[c] = "cancelled"
+            check(s.handle(CallCancelled(c), t))  # running, finished or failed: no effect
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
             del workers[w]

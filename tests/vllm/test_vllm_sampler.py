@@ -212,3 +212,11 @@ async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
         assert out_a.weight_version == out_b.weight_version == 0
         assert (await a.sync_weights()).weight_version == 1
         assert (await a.generate(prompts, GREEDY)).weight_version == 1
+        # Abort: a running vLLM generate stops (2048 sequences would take seconds) and fails
+        # with CallAbortedError; the job and the engine carry on.
+        long = b.generate(prompts * 128, plexrl.SamplingParams(n=8, max_tokens=64))
+        await client.status()  # answered after `long` was dispatched to the worker
+        client.abort(long)
+        with pytest.raises(plexrl.errors.CallAbortedError, match="aborted before it finished"):
+            await long
+        assert len((await b.generate(prompts, GREEDY)).samples) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import os
@@ -135,7 +136,26 @@ class Client:
         except zmq.ZMQError as e:  # EAGAIN: 100k messages queued and the coordinator reads none
             raise CoordinatorLostError(f"could not send to the coordinator at {self.address}: {e}") from None
         self._pending[rid] = (fut, unwrap)
+        fut.add_done_callback(functools.partial(self._on_done, rid))
         return fut
+
+    def abort(self, fut: asyncio.Future[Any]) -> None:
+        """Abort the call behind ``fut`` and keep waiting for its outcome: ``CallAbortedError`` if
+        it was still queued or its engine could stop it (a vLLM generate), else its result."""
+        rid = next((r for r, (f, _) in self._pending.items() if f is fut), None)
+        if rid is not None:
+            self._send_cancel(rid)
+
+    def _on_done(self, rid: int, fut: asyncio.Future[Any]) -> None:
+        """A request the caller cancelled is cancelled at the coordinator too (dropped if queued,
+        aborted if running), so a job's later calls do not wait behind it."""
+        if fut.cancelled() and self._pending.pop(rid, None) is not None:
+            self._send_cancel(rid)
+
+    def _send_cancel(self, rid: int) -> None:
+        if self._pump is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._pump.send(self._codec.encode(m.Cancel(rid=next(self._rids), call_rid=rid)))
 
     def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
         return self.request(m.Submit(job_id=job_id, call=call), expect_result(result_type))

@@ -55,7 +55,15 @@ class CallFinished:
     call_id: int
 
 
-Event = WorkerJoined | WorkerLost | JobOpened | JobClosed | CallSubmitted | CallFinished
+@dataclass(frozen=True)
+class CallCancelled:
+    """The caller gave up: a queued call leaves its queue; a running one runs until the worker
+    reports it (aborted or finished) with ``CallFinished``."""
+
+    call_id: int
+
+
+Event = WorkerJoined | WorkerLost | JobOpened | JobClosed | CallSubmitted | CallFinished | CallCancelled
 
 # -- actions (scheduler -> server) -------------------------------------------------------------
 
@@ -72,6 +80,7 @@ class Place:
 class Dispatch:
     call_id: int
     worker_id: str
+    priority: int = 0  # for the worker's engine queue (vLLM): lower runs first
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,8 @@ class Scheduler:
                 actions += self._submit(_Call(call_id, job_id, kind))
             case CallFinished(call_id):
                 self._finish(call_id, now)
+            case CallCancelled(call_id):
+                self._cancel(call_id)
         actions += self._dispatch(now)
         return actions
 
@@ -202,6 +213,13 @@ class Scheduler:
             if not worker.running and worker.busy_since is not None:
                 worker.busy_s += now - worker.busy_since
                 worker.busy_since = None
+
+    def _cancel(self, call_id: int) -> None:
+        call = self._calls.get(call_id)
+        job = self._jobs.get(call.job_id) if call is not None else None
+        if job is not None and call_id in job.queue:
+            job.queue.remove(call_id)
+            del self._calls[call_id]
 
     def _lose_worker(self, worker_id: str, reason: str, now: float) -> list[Action]:
         worker = self._workers.pop(worker_id, None)

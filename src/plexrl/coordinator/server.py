@@ -21,6 +21,7 @@ import zmq
 
 from plexrl.coordinator import scheduler as sch
 from plexrl.errors import (
+    CallAbortedError,
     CoordinatorLostError,
     InvalidRequestError,
     JobClosedError,
@@ -100,6 +101,7 @@ class Coordinator:
         self._worker_by_ident: dict[bytes, str] = {}
         self._jobs: dict[str, _JobRecord] = {}
         self._calls: dict[int, _CallRecord] = {}
+        self._call_of: dict[tuple[bytes, int], int] = {}  # (client, its request id) -> call id
         self._waiters: list[_Waiter] = []
         self._clients: set[bytes] = set()
         self._call_ids = itertools.count(1)
@@ -145,6 +147,7 @@ class Coordinator:
         for rec in list(self._calls.values()):
             self._reply_error(rec.client, rec.client_rid, err)
         self._calls.clear()
+        self._call_of.clear()
         for ident in [*self._clients, *self._worker_by_ident]:
             self._send(ident, m.Shutdown(reason="the coordinator shut down"))
 
@@ -203,6 +206,8 @@ class Coordinator:
                 self._open_job(ident, msg)
             case m.Submit():
                 self._submit(ident, msg)
+            case m.Cancel(call_rid=call_rid):
+                self._cancel(ident, call_rid)
             case m.StatusRequest(rid=rid, min_workers=n):
                 if len(self._workers) >= n:
                     self._send(ident, self._status(rid))
@@ -271,14 +276,28 @@ class Coordinator:
             job.state = "closing"
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call)
+        self._call_of[(ident, msg.rid)] = call_id
         self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)]))
+
+    def _cancel(self, ident: bytes, call_rid: int) -> None:
+        """A queued call is dropped; a running one is aborted on its worker (if the engine can)."""
+        call_id = self._call_of.get((ident, call_rid))
+        rec = self._calls.get(call_id) if call_id is not None else None
+        if rec is None or isinstance(rec.call, (calls.Open, calls.Close)):
+            return  # finished already, or not something to cancel
+        if rec.worker_id is None:
+            self._forget(rec)
+            self._apply(sch.CallCancelled(rec.call_id))
+            self._reply_error(rec.client, rec.client_rid, CallAbortedError("the call was cancelled before it ran"))
+        else:
+            self._send(self._workers[rec.worker_id].ident, m.Abort(rid=rec.call_id))
 
     def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
         rec = self._calls.get(msg.rid)
         if rec is None or rec.worker_id != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
             return
-        del self._calls[msg.rid]
+        self._forget(rec)
         self._workers[worker_id].calls_done += 1
         job = self._jobs.get(rec.job_id)
         if job is not None:
@@ -296,6 +315,10 @@ class Coordinator:
             self._jobs.pop(rec.job_id, None)
             self._apply(sch.JobClosed(rec.job_id))
 
+    def _forget(self, rec: _CallRecord) -> None:
+        self._calls.pop(rec.call_id, None)
+        self._call_of.pop((rec.client, rec.client_rid), None)
+
     # -- scheduler seam -------------------------------------------------------------------------
 
     def _apply(self, event: sch.Event) -> None:
@@ -304,13 +327,15 @@ class Coordinator:
 
     def _carry_out(self, action: sch.Action) -> None:
         match action:
-            case sch.Dispatch(call_id, worker_id):
+            case sch.Dispatch(call_id, worker_id, priority):
                 rec = self._calls[call_id]
                 rec.worker_id = worker_id
-                self._send(self._workers[worker_id].ident, m.Execute(rid=call_id, job_id=rec.job_id, call=rec.call))
+                execute = m.Execute(rid=call_id, job_id=rec.job_id, call=rec.call, priority=priority)
+                self._send(self._workers[worker_id].ident, execute)
             case sch.Fail(job_id, call_id, error):
-                failed = self._calls.pop(call_id, None) if call_id is not None else None
+                failed = self._calls.get(call_id) if call_id is not None else None
                 if failed is not None:
+                    self._forget(failed)
                     self._reply_error(failed.client, failed.client_rid, error)
                 if failed is not None and isinstance(failed.call, calls.Open):
                     self._jobs.pop(job_id, None)

@@ -76,6 +76,12 @@ class Submit(Envelope, tag="submit", frozen=True):
     call: Call
 
 
+class Cancel(Envelope, tag="cancel", frozen=True):
+    """The client gave up on its request ``call_rid``: drop it if queued, abort it if running."""
+
+    call_rid: int
+
+
 class StatusRequest(Envelope, tag="status", frozen=True):
     min_workers: int = 0  # answer only once at least this many workers are registered
 
@@ -142,11 +148,17 @@ class Registered(Envelope, tag="registered", frozen=True):
 class Execute(Envelope, tag="execute", frozen=True):
     job_id: str
     call: Call
+    priority: int = 0  # lower runs first where the engine queues requests (vLLM)
 
 
-ClientToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat
+class Abort(Envelope, tag="abort", frozen=True):
+    """Stop the running call ``rid`` if the engine can (a vLLM generate); it then fails with
+    ``CallAbortedError``. A call the engine cannot interrupt finishes as usual."""
+
+
+ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat
 CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat | Shutdown
 WorkerToCoordinator = Register | CallDone | ErrorReply | Heartbeat
-CoordinatorToWorker = Registered | Execute | Heartbeat | Shutdown
+CoordinatorToWorker = Registered | Execute | Abort | Heartbeat | Shutdown
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
-ToCoordinator = Hello | OpenJob | Submit | StatusRequest | Heartbeat | Register | CallDone | ErrorReply
+ToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat | Register | CallDone | ErrorReply

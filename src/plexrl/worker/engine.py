@@ -49,10 +49,10 @@ class Engine:
     def job_ids(self) -> list[str]:
         return list(self._jobs)
 
-    def start(self, job_id: str, call: Call) -> Future[Result] | None:
+    def start(self, job_id: str, call: Call, priority: int = 0) -> Future[Result] | None:
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
-            return job.generate_async(call.prompts, call.params)  # type: ignore[return-value]
+            return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
         return None
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ Paranoid Pirate), because the coordinator that comes back knows none of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -23,7 +24,7 @@ from typing import Protocol
 
 import zmq
 
-from plexrl.errors import CallFailedError, PlexError
+from plexrl.errors import CallAbortedError, CallFailedError, PlexError
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
@@ -38,8 +39,9 @@ VLLM_SLOTS = 64  # calls a vLLM worker accepts at once (generates overlap; other
 class CallEngine(Protocol):
     """What the worker needs of an engine (the real one is ``plexrl.worker.engine.Engine``)."""
 
-    def start(self, job_id: str, call: calls.Call) -> Future[calls.Result] | None:
-        """Start ``call`` in the background and return its future, or None to run it with ``execute``."""
+    def start(self, job_id: str, call: calls.Call, priority: int = 0) -> Future[calls.Result] | None:
+        """Start ``call`` in the background and return its future, or None to run it with
+        ``execute``. Cancelling the future aborts the call."""
         ...
 
     def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
@@ -87,6 +89,7 @@ class Worker:
         self._finished: queue.SimpleQueue[tuple[m.Execute, float, Future[calls.Result]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._running: dict[int, Future[calls.Result]] = {}  # background calls by request id
 
     def stop(self) -> None:
         self._stopping.set()
@@ -174,19 +177,22 @@ class Worker:
                 continue
             if isinstance(msg, m.Execute):
                 self._execute(sock, engine, msg)
+            elif isinstance(msg, m.Abort) and msg.rid in self._running:
+                self._running[msg.rid].cancel()  # its done callback sends the CallAbortedError
             elif isinstance(msg, m.Shutdown):
                 raise _CoordinatorLost(msg.reason)
 
     def _execute(self, sock: zmq.Socket[bytes], engine: CallEngine, ex: m.Execute) -> None:
         start = time.perf_counter()
         try:
-            background = engine.start(ex.job_id, ex.call)
+            background = engine.start(ex.job_id, ex.call, ex.priority)
         except Exception as e:  # rejected before it started: reply now
             background = Future()
             background.set_exception(e)
         if background is None:
             sock.send_multipart(self._reply(ex, start, lambda: engine.execute(ex.job_id, ex.call)), copy=False)
         else:
+            self._running[ex.rid] = background
             background.add_done_callback(lambda f: self._on_finished(ex, start, f))
 
     def _on_finished(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> None:
@@ -204,7 +210,8 @@ class Worker:
                 ex, start, fut = self._finished.get_nowait()
             except queue.Empty:
                 return
-            sock.send_multipart(self._reply(ex, start, fut.result), copy=False)
+            self._running.pop(ex.rid, None)
+            sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, fut)), copy=False)
 
     def _reply(self, ex: m.Execute, start: float, outcome: Callable[[], calls.Result]) -> list[bytes | memoryview]:
         """The encoded reply to one call: its result, or a typed error (the worker lives on)."""
@@ -223,6 +230,12 @@ class Worker:
             return self._codec.encode(reply)
         except PlexError as e:  # e.g. a result over the message size limit
             return self._codec.encode(m.ErrorReply(rid=ex.rid, code=e.code, message=e.message))
+
+
+def _outcome(fut: Future[calls.Result]) -> calls.Result:
+    if fut.cancelled():
+        raise CallAbortedError("the call was aborted before it finished")
+    return fut.result()
 
 
 class _Heartbeat(threading.Thread):

@@ -109,7 +109,7 @@ class Job:
     def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
         return self.generate_async(prompts, params).result()
 
-    def generate_async(self, prompts: Ragged, params: SamplingParams) -> Future[Generated]:
+    def generate_async(self, prompts: Ragged, params: SamplingParams, priority: int = 0) -> Future[Generated]:
         """Checks now (a bad call raises here); samples on vLLM in the background, or with hf now."""
         params.validate()
         self.base.check_tokens(prompts, "prompts", min_len=1, extra_positions=params.max_tokens)
@@ -128,6 +128,7 @@ class Job:
                 seed=seed,
                 stop_token_ids=self.base.stop_token_ids,
                 weight_version=self.weight_version,
+                priority=priority,
             )
         done: Future[Generated] = Future()
         done.set_result(self._generate_hf(prompts, params, seed))
