@@ -123,7 +123,7 @@ class _Call:
     kind: str
 
 
-POLICIES = ("fifo",)
+POLICIES = ("fifo", "dedicated")  # dedicated: one job per worker, the baseline users have today
 
 
 class Scheduler:
@@ -183,6 +183,14 @@ class Scheduler:
         if not self._workers:
             err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
             return [Fail(job_id, None, err)]
+        if self.policy == "dedicated":
+            free = [w for w in self._workers.values() if not w.jobs]
+            if not free:
+                err = NoWorkersError(
+                    f"policy 'dedicated' runs one job per worker and all {len(self._workers)} workers hold "
+                    "a job: add a worker, close a job, or use a multiplexing policy"
+                )
+                return [Fail(job_id, None, err)]
         # Fewest jobs first; ties go to the worker that joined first (dicts keep insertion order).
         worker = min(self._workers.values(), key=lambda w: len(w.jobs))
         worker.jobs.add(job_id)
