@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexrl.coordinator.scheduler import (
+    POLICIES,
     CallCancelled,
     CallFinished,
     CallSubmitted,
@@ -134,10 +135,11 @@ op = st.one_of(
 )
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=80))
-def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -> None:
-    s = Scheduler()
+@given(ops=st.lists(op, max_size=80))
+def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
+    s = Scheduler(policy)
     workers: dict[str, int] = {}  # alive worker -> slots
     homes: dict[str, str] = {}  # job -> home worker
     running: dict[int, tuple[str, str]] = {}  # call -> (job, worker)
@@ -149,6 +151,8 @@ def test_invariants_hold_on_random_event_sequences(ops: list[tuple[str, int]]) -
         for a in actions:
             if isinstance(a, Place):
                 assert a.worker_id in workers
+                if policy == "dedicated":  # (no job closes in these sequences)
+                    assert a.worker_id not in homes.values(), "dedicated: one job per worker"
                 homes[a.job_id] = a.worker_id
             elif isinstance(a, Dispatch):
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
