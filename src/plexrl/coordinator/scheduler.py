@@ -159,9 +159,11 @@ class Scheduler:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         actions: list[Action] = []
+        touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
         match event:
             case WorkerJoined(worker_id, slots):
                 self._workers[worker_id] = _Worker(worker_id, max(1, slots))
+                touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
             case JobOpened(job_id):
@@ -172,11 +174,15 @@ class Scheduler:
                     self._workers[job.home].jobs.discard(job_id)
             case CallSubmitted(call_id, job_id, kind):
                 actions += self._submit(_Call(call_id, job_id, kind))
+                touched = self.home_of(job_id)
             case CallFinished(call_id):
+                call = self._calls.get(call_id)
+                touched = self.home_of(call.job_id) if call is not None else None
                 self._finish(call_id, now)
             case CallCancelled(call_id):
                 self._cancel(call_id)
-        actions += self._dispatch(now)
+        if touched is not None and touched in self._workers:
+            actions += self._dispatch(self._workers[touched], now)
         return actions
 
     def _place(self, job_id: str) -> list[Action]:
@@ -248,18 +254,18 @@ class Scheduler:
             job.running = None
         return actions
 
-    def _dispatch(self, now: float) -> list[Action]:
+    def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
+        """Start what ``worker`` can start (an event changes that for at most one worker)."""
         actions: list[Action] = []
-        for worker in self._workers.values():
-            while len(worker.running) < worker.slots:
-                ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
-                if not ready:
-                    break
-                job = min(ready, key=lambda j: j.queue[0])  # oldest head call first
-                call_id = job.queue.popleft()
-                job.running = call_id
-                worker.running.add(call_id)
-                if worker.busy_since is None:
-                    worker.busy_since = now
-                actions.append(Dispatch(call_id, worker.worker_id))
+        while len(worker.running) < worker.slots:
+            ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
+            if not ready:
+                break
+            job = min(ready, key=lambda j: j.queue[0])  # oldest head call first
+            call_id = job.queue.popleft()
+            job.running = call_id
+            worker.running.add(call_id)
+            if worker.busy_since is None:
+                worker.busy_since = now
+            actions.append(Dispatch(call_id, worker.worker_id))
         return actions
