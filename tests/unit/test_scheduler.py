@@ -18,6 +18,9 @@ from plexrl.coordinator.scheduler import (
     JobOpened,
     Place,
     Scheduler,
+    Swap,
+    SwapDone,
+    Tick,
     WorkerJoined,
     WorkerLost,
 )
@@ -87,6 +90,73 @@ def test_a_cancelled_queued_call_never_runs_and_a_cancelled_running_one_runs_to_
     assert [a for a in actions if isinstance(a, Dispatch)] == [Dispatch(1, "w0"), Dispatch(3, "w0")]
 
 
+G = 10**9
+SWAP_BPS = 1e9  # 10 GB of state moves in 10 s
+
+
+def _two_jobs_one_fits(policy: str, gap_s: float | None) -> list:
+    """Jobs a and b (10 GB each) on a worker with room for one; a ran before (its idle gap known
+    if ``gap_s``), then b's call arrives while a sits idle."""
+    s = Scheduler(policy)
+    t = 0.0
+    events: list = [
+        WorkerJoined("w0", memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS),
+        JobOpened("a", 10 * G),
+        JobOpened("b", 10 * G),
+        CallSubmitted(1, "a", "generate"),
+        CallFinished(1),
+    ]
+    if gap_s is not None:  # a's next call came gap_s after its last one: its expected gap
+        events += [CallSubmitted(2, "a", "generate"), CallFinished(2)]
+    actions = []
+    for e in events:
+        t += gap_s if (gap_s is not None and isinstance(e, CallSubmitted) and e.call_id == 2) else 1.0
+        actions += s.handle(e, t)
+    actions += s.handle(CallSubmitted(3, "b", "generate"), t + 1.0)
+    return [a for a in actions if isinstance(a, Swap)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "gap_s", "moved_out"),
+    [
+        ("fifo", None, True),  # fifo moves the least recently used out at once
+        ("plex", None, False),  # a's gap is unknown: moving it could cost more than it saves
+        ("plex", 5.0, False),  # a comes back in 5 s, moving it out and in takes 20 s
+        ("plex", 100.0, True),  # a is idle for 100 s: moving it pays
+    ],
+)
+def test_state_moves_out_only_when_the_policy_says_it_pays(policy: str, gap_s: float | None, moved_out: bool) -> None:
+    swaps = _two_jobs_one_fits(policy, gap_s)
+    assert (Swap("a", "w0", "host", 10 * G) in swaps) == moved_out
+
+
+def test_state_moves_in_only_into_free_room() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", memory_bytes=20 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    assert [type(a) for a in s.handle(JobOpened("a", 20 * G), 0.0)] == [Place]  # fills the device
+    s.handle(JobOpened("b", 10 * G), 0.0)  # starts in host memory
+    assert s.handle(CallSubmitted(1, "a", "generate"), 1.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "b", "generate"), 1.0) == []  # a runs: nothing can leave
+    assert s.handle(CallFinished(1), 2.0) == [Swap("a", "w0", "host", 20 * G)]
+    assert s.handle(SwapDone("a", 20.0), 22.0) == [Swap("b", "w0", "device", 10 * G)]
+    assert s.handle(SwapDone("b", 10.0), 32.0) == [Dispatch(2, "w0")]
+
+
+def test_a_waiting_job_forces_a_move_once_it_starves() -> None:
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0", memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b", 10 * G), 0.0)
+    s.handle(CallSubmitted(1, "a", "generate"), 0.0)
+    s.handle(CallFinished(1), 1.0)
+    assert s.handle(CallSubmitted(2, "b", "generate"), 2.0) == []  # a's gap unknown: b waits
+    assert s.handle(Tick(), 100.0) == []
+    actions = s.handle(Tick(), 2.0 + 20 * 10.0)  # the bound: 20 of b's own transfer times
+    assert actions == [Swap("a", "w0", "host", 10 * G)]
+    assert s.handle(SwapDone("a", 10.0), 215.0) == [Swap("b", "w0", "device", 10 * G)]
+    assert s.handle(SwapDone("b", 10.0), 225.0) == [Dispatch(2, "w0")]
+
+
 def test_losing_a_worker_fails_its_running_and_queued_calls_and_later_ones() -> None:
     s = Scheduler()
     for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a"), JobOpened("b")]:
@@ -125,23 +195,39 @@ def test_busy_seconds_count_only_time_with_a_running_call() -> None:
 
 # -- invariants on random event sequences ------------------------------------------------------
 
-op = st.one_of(
-    st.tuples(st.just("join"), st.integers(1, 3)),
-    st.tuples(st.just("open"), st.just(0)),
+UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
+_submit, _finish, _moved = (
     st.tuples(st.just("submit"), st.integers(0, 9)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
+    st.tuples(st.just("moved"), st.integers(0, 9)),
+)
+op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
+    st.tuples(st.just("join"), st.integers(1, 3)),
+    st.tuples(st.just("open"), st.integers(0, 2)),
+    _submit,
+    _submit,
+    _submit,
+    _finish,
+    _finish,
+    _moved,
+    _moved,
     st.tuples(st.just("lose"), st.integers(0, 9)),
     st.tuples(st.just("cancel"), st.integers(0, 99)),
+    st.tuples(st.just("tick"), st.integers(1, 300)),
 )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(ops=st.lists(op, max_size=80))
 def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
     s = Scheduler(policy)
-    workers: dict[str, int] = {}  # alive worker -> slots
+    workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
     homes: dict[str, str] = {}  # job -> home worker
+    sizes: dict[str, int] = {}  # job -> state bytes
+    resident: dict[str, bool] = {}  # job -> its state is on its home device (as the actions say)
+    device: dict[str, int] = {}  # worker -> bytes on the device or reserved for a move in
+    moving: dict[str, tuple[str, str]] = {}  # worker -> (job, "device" | "host") in transit
     running: dict[int, tuple[str, str]] = {}  # call -> (job, worker)
     outcome: dict[int, str] = {}  # call -> "dispatched" | "failed" | "cancelled"
     submitted: dict[str, list[int]] = {}
@@ -154,34 +240,56 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 if policy == "dedicated":  # (no job closes in these sequences)
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker"
                 homes[a.job_id] = a.worker_id
+                fits = device.get(a.worker_id, 0) + sizes[a.job_id] <= workers[a.worker_id][1]
+                resident[a.job_id] = fits
+                device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
             elif isinstance(a, Dispatch):
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once"
                 assert homes[job] == a.worker_id, "affinity: calls run on their job's home worker"
+                assert resident[job], "a call runs only with its job's state on the device"
                 assert all(j != job for j, _ in running.values()), "one call per job at a time"
                 earlier = [c for c in submitted[job] if c < a.call_id]
                 assert all(c in outcome for c in earlier), "a job's calls start in submission order"
                 outcome[a.call_id] = "dispatched"
                 running[a.call_id] = (job, a.worker_id)
+            elif isinstance(a, Swap):
+                assert a.worker_id not in moving, "one transfer at a time per worker"
+                assert homes[a.job_id] == a.worker_id
+                assert all(j != a.job_id for j, _ in running.values()), "never move a running job's state"
+                moving[a.worker_id] = (a.job_id, a.to)
+                if a.to == "device":
+                    device[a.worker_id] += sizes[a.job_id]
+                else:
+                    resident[a.job_id] = False
             elif isinstance(a, Fail) and a.call_id is not None:
                 assert outcome.get(a.call_id) not in ("failed", "cancelled")
                 outcome[a.call_id] = "failed"
                 running.pop(a.call_id, None)
-        for w, slots in workers.items():
+        for w, (slots, memory) in workers.items():
             assert sum(1 for _, rw in running.values() if rw == w) <= slots, "never over a worker's slots"
+            assert device.get(w, 0) <= memory, "never over a device's memory budget"
+
+    def moved(w: str) -> None:
+        job, to = moving.pop(w)
+        if to == "device":
+            resident[job] = True
+        else:
+            device[w] -= sizes[job]
+        check(s.handle(SwapDone(job, 1.0), t))
 
     for kind, arg in ops:
         t += 1.0
         if kind == "join":
             w = f"w{n_workers}"
             n_workers += 1
-            workers[w] = arg
-            check(s.handle(WorkerJoined(w, slots=arg), t))
+            workers[w] = (arg, (1 + arg % 2) * UNIT)  # room for one or two big jobs
+            check(s.handle(WorkerJoined(w, slots=arg, memory_bytes=(1 + arg % 2) * UNIT, swap_bytes_per_s=UNIT), t))
         elif kind == "open":
             j = f"j{n_jobs}"
             n_jobs += 1
-            submitted[j] = []
-            check(s.handle(JobOpened(j), t))
+            submitted[j], sizes[j] = [], arg * UNIT
+            check(s.handle(JobOpened(j, arg * UNIT), t))
         elif kind == "submit" and submitted:
             j = sorted(submitted)[arg % len(submitted)]
             if j not in homes:
@@ -198,21 +306,32 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             if c not in outcome:  # still queued: it leaves its queue for good
                 outcome[c] = "cancelled"
             check(s.handle(CallCancelled(c), t))  # running, finished or failed: no effect
+        elif kind == "moved" and moving:
+            moved(sorted(moving)[arg % len(moving)])
+        elif kind == "tick":
+            t += arg
+            check(s.handle(Tick(), t))
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
             del workers[w]
+            moving.pop(w, None)
             check(s.handle(WorkerLost(w, "test"), t))
             assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed"
 
-    # Progress: with the remaining workers alive, finishing whatever runs eventually settles
-    # every submitted call of a placed job (none is stuck in a queue).
-    for _ in range(next_call):
-        if not running:
-            break
-        c = min(running)
-        del running[c]
-        t += 1.0
-        check(s.handle(CallFinished(c), t))
+    # Progress: with the remaining workers alive, finishing what runs, completing transfers and
+    # letting time pass (ticks) settles every submitted call of a placed job within a bound.
+    for _ in range(20 * next_call + 20):
+        if running:
+            c = min(running)
+            del running[c]
+            t += 1.0
+            check(s.handle(CallFinished(c), t))
+        elif moving:
+            t += 1.0
+            moved(min(moving))
+        else:
+            t += 1000.0  # past any starvation bound
+            check(s.handle(Tick(), t))
     for j, ids in submitted.items():
-        if j in homes:
+        if j in homes and homes[j] in workers:
             assert all(c in outcome for c in ids), f"job {j} has calls that never ran nor failed"

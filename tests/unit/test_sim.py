@@ -45,3 +45,16 @@ def test_sharing_a_device_between_jobs_that_mostly_wait_on_tools_saves_device_ho
     shared = Simulation("fifo", 1, jobs, seed=0).run()
     assert shared.device_hours < dedicated.device_hours
     assert shared.busy_fraction > dedicated.busy_fraction
+
+
+def test_under_memory_pressure_plex_moves_state_less_than_fifo_and_every_job_finishes() -> None:
+    """Four 30 GB jobs on one 80 GB device (two fit): fifo moves the least recently used job out
+    whenever another needs in; plex only when the idle gap it expects pays for the move."""
+    jobs = [JobModel("agent", steps=6, turns=3, tool_latency_s=Lognormal(20.0, 0.5), state_bytes=30 * 10**9)] * 4
+    runs = {
+        policy: Simulation(policy, 1, jobs, seed=0, memory_bytes=80e9, swap_bytes_per_s=2e9).run()
+        for policy in ("fifo", "plex")
+    }
+    for result in runs.values():
+        assert all(j.finished_s is not None for j in result.jobs)
+    assert 0 < runs["plex"].swaps < runs["fifo"].swaps

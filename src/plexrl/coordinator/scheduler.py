@@ -13,9 +13,12 @@ Invariants it keeps, whatever the policy:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from plexrl.coordinator import residency as rs
+from plexrl.coordinator.residency import Residency
 from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
 
 # -- events (server -> scheduler) --------------------------------------------------------------
@@ -25,6 +28,8 @@ from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
 class WorkerJoined:
     worker_id: str
     slots: int = 1  # calls the worker may run at once
+    memory_bytes: float = math.inf  # device memory for jobs' state
+    swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class WorkerLost:
 @dataclass(frozen=True)
 class JobOpened:
     job_id: str
+    state_bytes: int = 0  # what must be on the device for its calls to run
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,22 @@ class CallCancelled:
     call_id: int
 
 
-Event = WorkerJoined | WorkerLost | JobOpened | JobClosed | CallSubmitted | CallFinished | CallCancelled
+@dataclass(frozen=True)
+class SwapDone:
+    """The worker finished moving ``job_id``'s state (the direction the ``Swap`` named)."""
+
+    job_id: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed with nothing else happening: re-check waiting jobs (the starvation bound)."""
+
+
+Event = (
+    WorkerJoined | WorkerLost | JobOpened | JobClosed | CallSubmitted | CallFinished | CallCancelled | SwapDone | Tick
+)
 
 # -- actions (scheduler -> server) -------------------------------------------------------------
 
@@ -92,15 +113,36 @@ class Fail:
     error: PlexError
 
 
-Action = Place | Dispatch | Fail
+@dataclass(frozen=True)
+class Swap:
+    """Move ``job_id``'s state on ``worker_id`` to ``to`` (``device`` or ``host``); answer with ``SwapDone``."""
+
+    job_id: str
+    worker_id: str
+    to: str
+    state_bytes: int
+
+
+Action = Place | Dispatch | Fail | Swap
 
 # -- state -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Move:
+    job_id: str
+    to: str
+    state_bytes: int
 
 
 @dataclass
 class _Worker:
     worker_id: str
     slots: int
+    memory_bytes: float = math.inf
+    bytes_per_s: float = 10e9
+    used_bytes: int = 0  # state on the device or on its way there (or still leaving)
+    moving: _Move | None = None  # the one transfer in flight on this worker
     running: set[int] = field(default_factory=set)
     jobs: set[str] = field(default_factory=set)
     busy_since: float | None = None
@@ -111,6 +153,7 @@ class _Worker:
 class _Job:
     job_id: str
     home: str
+    state: Residency
     queue: deque[int] = field(default_factory=deque)
     running: int | None = None
     lost: str | None = None  # why the job's state is gone
@@ -123,7 +166,10 @@ class _Call:
     kind: str
 
 
-POLICIES = ("fifo", "dedicated")  # dedicated: one job per worker, the baseline users have today
+# dedicated: one job per worker, the baseline users have today. fifo: jobs share workers, oldest
+# call first, state moved in and out on demand (least recently used out). plex: resident calls
+# first, state moved out only when that pays (residency.pays_to_evict) or a waiting job starves.
+POLICIES = ("fifo", "dedicated", "plex")
 
 
 class Scheduler:
@@ -136,6 +182,7 @@ class Scheduler:
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[str, _Job] = {}
         self._calls: dict[int, _Call] = {}
+        self._moving: dict[str, str] = {}  # job -> worker, for state in transit
 
     # -- queries (for status and accounting) ----------------------------------------------------
 
@@ -161,19 +208,28 @@ class Scheduler:
         actions: list[Action] = []
         touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
         match event:
-            case WorkerJoined(worker_id, slots):
-                self._workers[worker_id] = _Worker(worker_id, max(1, slots))
+            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s):
+                self._workers[worker_id] = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id):
-                actions += self._place(job_id)
+            case JobOpened(job_id, state_bytes):
+                actions += self._place(job_id, state_bytes)
             case JobClosed(job_id):
                 job = self._jobs.pop(job_id, None)
                 if job and job.home in self._workers:
-                    self._workers[job.home].jobs.discard(job_id)
+                    worker = self._workers[job.home]
+                    worker.jobs.discard(job_id)
+                    if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
+                        worker.used_bytes -= job.state.state_bytes
+                    touched = job.home
+            case SwapDone(job_id, seconds):
+                touched = self._swap_done(job_id, seconds)
+            case Tick():
+                for worker in self._workers.values():
+                    actions += self._dispatch(worker, now)
             case CallSubmitted(call_id, job_id, kind):
-                actions += self._submit(_Call(call_id, job_id, kind))
+                actions += self._submit(_Call(call_id, job_id, kind), now)
                 touched = self.home_of(job_id)
             case CallFinished(call_id):
                 call = self._calls.get(call_id)
@@ -185,31 +241,42 @@ class Scheduler:
             actions += self._dispatch(self._workers[touched], now)
         return actions
 
-    def _place(self, job_id: str) -> list[Action]:
+    def _place(self, job_id: str, state_bytes: int) -> list[Action]:
         if not self._workers:
             err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
             return [Fail(job_id, None, err)]
+        fitting = [w for w in self._workers.values() if state_bytes <= w.memory_bytes]
+        if not fitting:
+            most = max(w.memory_bytes for w in self._workers.values())
+            err = NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
+            return [Fail(job_id, None, err)]
         if self.policy == "dedicated":
-            free = [w for w in self._workers.values() if not w.jobs]
-            if not free:
+            fitting = [w for w in fitting if not w.jobs]
+            if not fitting:
                 err = NoWorkersError(
-                    f"policy 'dedicated' runs one job per worker and all {len(self._workers)} workers hold "
-                    "a job: add a worker, close a job, or use a multiplexing policy"
+                    "policy 'dedicated' runs one job per worker and every worker that fits this job holds "
+                    "one: add a worker, close a job, or use a multiplexing policy"
                 )
                 return [Fail(job_id, None, err)]
         # Fewest jobs first; ties go to the worker that joined first (dicts keep insertion order).
-        worker = min(self._workers.values(), key=lambda w: len(w.jobs))
+        worker = min(fitting, key=lambda w: len(w.jobs))
         worker.jobs.add(job_id)
-        self._jobs[job_id] = _Job(job_id, worker.worker_id)
+        # A new job's state starts on the device if it fits there, else in host memory.
+        fits = worker.used_bytes + state_bytes <= worker.memory_bytes
+        self._jobs[job_id] = _Job(job_id, worker.worker_id, Residency(state_bytes, rs.DEVICE if fits else rs.HOST))
+        if fits:
+            worker.used_bytes += state_bytes
         return [Place(job_id, worker.worker_id)]
 
-    def _submit(self, call: _Call) -> list[Action]:
+    def _submit(self, call: _Call, now: float) -> list[Action]:
         job = self._jobs.get(call.job_id)
         if job is None:
             raise KeyError(f"call {call.call_id} for unplaced job {call.job_id}")
         if job.lost is not None:
             return [Fail(call.job_id, call.call_id, WorkerLostError(job.lost))]
         self._calls[call.call_id] = call
+        if job.running is None and not job.queue and job.state.last_done_s is not None:
+            job.state.observe_gap(now - job.state.last_done_s)  # it was idle since its last call
         job.queue.append(call.call_id)
         return []
 
@@ -221,6 +288,7 @@ class Scheduler:
         if job is None:
             return
         job.running = None
+        job.state.last_done_s = now
         worker = self._workers.get(job.home)
         if worker is not None:
             worker.running.discard(call_id)
@@ -239,6 +307,8 @@ class Scheduler:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return []
+        if worker.moving is not None:
+            self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
         for job_id in sorted(worker.jobs):
             job = self._jobs[job_id]
@@ -255,17 +325,76 @@ class Scheduler:
         return actions
 
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
-        """Start what ``worker`` can start (an event changes that for at most one worker)."""
+        """Start what ``worker`` can start, and move state in or out for what cannot start yet."""
         actions: list[Action] = []
-        while len(worker.running) < worker.slots:
-            ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
-            if not ready:
-                break
-            job = min(ready, key=lambda j: j.queue[0])  # oldest head call first
-            call_id = job.queue.popleft()
-            job.running = call_id
-            worker.running.add(call_id)
-            if worker.busy_since is None:
-                worker.busy_since = now
-            actions.append(Dispatch(call_id, worker.worker_id))
+        ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
+        if self.policy == "plex":  # calls whose state is resident first, then the oldest
+            ready.sort(key=lambda j: (j.state.tier != rs.DEVICE, j.queue[0]))
+        else:
+            ready.sort(key=lambda j: j.queue[0])
+        for job in ready:
+            if job.state.tier == rs.DEVICE:
+                if len(worker.running) < worker.slots:
+                    job.state.waiting_since_s = None
+                    call_id = job.queue.popleft()
+                    job.running = call_id
+                    worker.running.add(call_id)
+                    if worker.busy_since is None:
+                        worker.busy_since = now
+                    actions.append(Dispatch(call_id, worker.worker_id))
+                continue
+            if job.state.waiting_since_s is None:
+                job.state.waiting_since_s = now
+            if worker.moving is not None or job.state.tier != rs.HOST:
+                continue  # one transfer at a time per worker
+            if worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
+                actions.append(self._move(worker, job, rs.DEVICE))
+                continue
+            victim = self._victim(worker, job, now)
+            if victim is not None:
+                actions.append(self._move(worker, victim, rs.HOST))
         return actions
+
+    def _victim(self, worker: _Worker, waiting: _Job, now: float) -> _Job | None:
+        """The resident, idle job to move out so ``waiting`` can come in, if any should go now."""
+        idle = [
+            self._jobs[j]
+            for j in sorted(worker.jobs)
+            if self._jobs[j].state.tier == rs.DEVICE and self._jobs[j].running is None and not self._jobs[j].queue
+        ]
+        if not idle:
+            return None
+        if self.policy == "plex":
+            paying = [j for j in idle if rs.pays_to_evict(j.state, worker.bytes_per_s)]
+            if paying:
+                return max(paying, key=lambda j: j.state.expected_gap_s or 0.0)
+            if not rs.starving(waiting.state, now, worker.bytes_per_s):
+                return None
+        return min(idle, key=lambda j: j.state.last_done_s if j.state.last_done_s is not None else -math.inf)
+
+    def _move(self, worker: _Worker, job: _Job, to: str) -> Swap:
+        size = job.state.state_bytes
+        worker.moving = _Move(job.job_id, to, size)
+        self._moving[job.job_id] = worker.worker_id
+        job.state.tier = rs.TO_DEVICE if to == rs.DEVICE else rs.TO_HOST
+        if to == rs.DEVICE:
+            worker.used_bytes += size  # reserved now, so nothing else takes the room
+        job.state.swaps += 1
+        job.state.swapped_bytes += size
+        return Swap(job.job_id, worker.worker_id, to, size)
+
+    def _swap_done(self, job_id: str, seconds: float) -> str | None:
+        worker_id = self._moving.pop(job_id, None)
+        worker = self._workers.get(worker_id) if worker_id is not None else None
+        if worker is None or worker.moving is None or worker.moving.job_id != job_id:
+            return None
+        move, worker.moving = worker.moving, None
+        if seconds > 0 and move.state_bytes > 0:  # measured bandwidth refines the cost model
+            worker.bytes_per_s = 0.5 * worker.bytes_per_s + 0.5 * move.state_bytes / seconds
+        job = self._jobs.get(job_id)
+        if move.to == rs.HOST or job is None:  # left the device (or its job closed on the way)
+            worker.used_bytes -= move.state_bytes
+        if job is not None:
+            job.state.tier = move.to
+            job.state.swap_s += seconds
+        return worker.worker_id

@@ -251,8 +251,10 @@ class Coordinator:
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id)
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
+            elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
+                self._carry_out(sch.Fail(job_id, call_id, action.error))
             else:
-                self._carry_out(action if action.call_id is not None else sch.Fail(job_id, call_id, action.error))
+                self._carry_out(action)
 
     def _submit(self, ident: bytes, msg: m.Submit) -> None:
         job = self._jobs.get(msg.job_id)
@@ -342,6 +344,11 @@ class Coordinator:
                     self._scheduler.handle(sch.JobClosed(job_id), self._now())
             case sch.Place():
                 raise AssertionError("placement happens only when a job opens")
+            case sch.Swap(job_id):
+                # Workers join without a memory budget and jobs open with no declared state size
+                # (residency transitions on workers come next), so nothing ever needs moving:
+                # the state is already where it must be.
+                self._apply(sch.SwapDone(job_id, 0.0))
 
     def _lose_worker(self, rec: _WorkerRecord, reason: str) -> None:
         log.warning("worker %s (%s) lost: %s", rec.worker_id, rec.info.name, reason)

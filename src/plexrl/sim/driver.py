@@ -4,7 +4,10 @@
 cluster would produce (workers join, jobs open, calls are submitted and finish) and carries out
 its actions on a virtual clock: a ``Dispatch`` finishes after the call's modelled duration. Each
 job runs its ``JobModel`` program, one call at a time as a GRPO script does. A device runs one
-call at a time (workers join with one slot). Deterministic for a given seed.
+call at a time (workers join with one slot) and holds ``memory_bytes`` of jobs' state; a ``Swap``
+moves a job's state at ``swap_bytes_per_s`` beside the running call (a side stream) and answers
+with ``SwapDone``. A ``Tick`` every ``tick_s`` lets waiting jobs hit their starvation bound.
+Deterministic for a given seed.
 
 Device-hours are what a user pays for: a device is held from the first call it runs until the
 last call it runs finishes. Under ``dedicated`` that is each job's wall time; when jobs share
@@ -13,6 +16,7 @@ devices it is the devices' common span.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -46,6 +50,8 @@ class SimResult:
     busy_s: dict[str, float]  # per worker: seconds with a call running
     held_s: dict[str, float]  # per worker: first call start to last call end
     end_s: float
+    swaps: int = 0
+    swap_s: float = 0.0
 
     @property
     def device_hours(self) -> float:
@@ -79,8 +85,20 @@ class _Event:
 
 
 class Simulation:
-    def __init__(self, policy: str, workers: int, jobs: list[JobModel], seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: str,
+        workers: int,
+        jobs: list[JobModel],
+        seed: int = 0,
+        *,
+        memory_bytes: float = float("inf"),
+        swap_bytes_per_s: float = 25e9,
+        tick_s: float = 1.0,
+    ) -> None:
         self.policy = policy
+        self.memory_bytes, self.swap_bytes_per_s, self.tick_s = memory_bytes, swap_bytes_per_s, tick_s
+        self._swaps, self._swap_s, self._left = 0, 0.0, 0
         self.scheduler = sch.Scheduler(policy)
         self.now = 0.0
         self._events: list[_Event] = []
@@ -96,9 +114,12 @@ class Simulation:
 
     def run(self, until_s: float = float("inf")) -> SimResult:
         for w in self._workers:
-            self._handle(sch.WorkerJoined(w))
-        for job_id in self._jobs:
-            self._handle(sch.JobOpened(job_id))
+            self._handle(sch.WorkerJoined(w, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s))
+        for job_id, job in self._jobs.items():
+            self._handle(sch.JobOpened(job_id, job.model.state_bytes))
+        self._left = sum(1 for j in self._jobs.values() if not j.result.error)
+        if self.memory_bytes != float("inf"):
+            self._at(self.tick_s, self._tick)
         while self._events and self._events[0].t <= until_s:
             event = heapq.heappop(self._events)
             self.now = event.t
@@ -109,7 +130,14 @@ class Simulation:
             busy_s={w: r.busy_s for w, r in self._workers.items()},
             held_s={w: r.last_s - r.first_s for w, r in self._workers.items() if r.first_s is not None},
             end_s=self.now,
+            swaps=self._swaps,
+            swap_s=self._swap_s,
         )
+
+    def _tick(self) -> None:
+        self._handle(sch.Tick())
+        if self._left:
+            self._at(self.now + self.tick_s, self._tick)
 
     # -- the scheduler seam, as in the coordinator's server --------------------------------------
 
@@ -124,6 +152,11 @@ class Simulation:
                     self._start(call_id, worker_id)
                 case sch.Fail(job_id, _, error):
                     self._jobs[job_id].result.error = error.message
+                case sch.Swap(job_id, _, _, state_bytes):
+                    seconds = state_bytes / self.swap_bytes_per_s
+                    self._swaps += 1
+                    self._swap_s += seconds
+                    self._at(self.now + seconds, functools.partial(self._handle, sch.SwapDone(job_id, seconds)))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, _Event(t, next(self._seq), fire))
@@ -134,6 +167,7 @@ class Simulation:
         step = next(job.program, None)
         if step is None:
             job.result.finished_s = self.now
+            self._left -= 1
             self._handle(sch.JobClosed(job_id))
             return
         what, kind, seconds = step

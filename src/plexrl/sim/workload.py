@@ -38,6 +38,7 @@ class JobModel:
     train_s_per_token: float = 2e-5  # forward_backward over the step's tokens
     optim_step_s: float = 0.05
     sync_s: float = 0.05
+    state_bytes: int = 0  # trainable + sampler state that must be on the device for its calls
 
     def generate_s(self, rng: np.random.Generator) -> tuple[float, int]:
         """Seconds of one generate call, and the tokens it produced."""
