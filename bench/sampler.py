@@ -39,6 +39,7 @@ from plexrl.protocol.calls import (
 from plexrl.tasks import get_task
 from plexrl.types import AdamW, Batch, LoRA, Ragged, SamplingParams
 from plexrl.worker.engine import Engine
+from plexrl.worker.sampler.vllm import VllmConfig
 
 JOB_COUNTS = (1, 8, 32)
 
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (a GRPO group)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-lora-rank", type=int, default=8, help="vLLM pads every adapter to it")
     parser.add_argument("--out", default="bench-out/sampler")
     args = parser.parse_args()
 
@@ -93,7 +95,7 @@ def main() -> None:
     print(f"{args.prompts} prompts x n={args.n}, up to {args.max_tokens} tokens, per job and round", flush=True)
     for name in ("vllm", "hf"):
         t0 = time.perf_counter()
-        engine = Engine(sampler=name)
+        engine = Engine(sampler=name, vllm_config=VllmConfig(max_lora_rank=args.max_lora_rank))
         try:
             for jobs in JOB_COUNTS:
                 seconds, tokens = run(engine, jobs, prompts, params, args.rounds)

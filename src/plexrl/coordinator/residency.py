@@ -27,9 +27,6 @@ class Residency:
     last_done_s: float | None = None  # when its last call finished (None: never ran)
     expected_gap_s: float | None = None  # EWMA of its idle gaps between calls; None: unknown
     waiting_since_s: float | None = None  # its next call is ready but its state is not resident
-    swaps: int = 0
-    swapped_bytes: int = 0
-    swap_s: float = 0.0
 
     def observe_gap(self, gap_s: float) -> None:
         if self.expected_gap_s is None:

@@ -183,6 +183,7 @@ class Scheduler:
         self._jobs: dict[str, _Job] = {}
         self._calls: dict[int, _Call] = {}
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
+        self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
 
     # -- queries (for status and accounting) ----------------------------------------------------
 
@@ -216,6 +217,7 @@ class Scheduler:
             case JobOpened(job_id, state_bytes):
                 actions += self._place(job_id, state_bytes)
             case JobClosed(job_id):
+                self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
                 if job and job.home in self._workers:
                     worker = self._workers[job.home]
@@ -225,9 +227,10 @@ class Scheduler:
                     touched = job.home
             case SwapDone(job_id, seconds):
                 touched = self._swap_done(job_id, seconds)
-            case Tick():
-                for worker in self._workers.values():
-                    actions += self._dispatch(worker, now)
+            case Tick():  # only workers with a job waiting for room can change anything
+                homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
+                for worker_id in sorted(homes & self._workers.keys()):
+                    actions += self._dispatch(self._workers[worker_id], now)
             case CallSubmitted(call_id, job_id, kind):
                 actions += self._submit(_Call(call_id, job_id, kind), now)
                 touched = self.home_of(job_id)
@@ -322,6 +325,7 @@ class Scheduler:
                 actions.append(Fail(job_id, call_id, WorkerLostError(job.lost)))
             job.queue.clear()
             job.running = None
+            self._waiting.discard(job_id)
         return actions
 
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
@@ -336,6 +340,7 @@ class Scheduler:
             if job.state.tier == rs.DEVICE:
                 if len(worker.running) < worker.slots:
                     job.state.waiting_since_s = None
+                    self._waiting.discard(job.job_id)
                     call_id = job.queue.popleft()
                     job.running = call_id
                     worker.running.add(call_id)
@@ -345,6 +350,7 @@ class Scheduler:
                 continue
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
+                self._waiting.add(job.job_id)
             if worker.moving is not None or job.state.tier != rs.HOST:
                 continue  # one transfer at a time per worker
             if worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
@@ -379,8 +385,6 @@ class Scheduler:
         job.state.tier = rs.TO_DEVICE if to == rs.DEVICE else rs.TO_HOST
         if to == rs.DEVICE:
             worker.used_bytes += size  # reserved now, so nothing else takes the room
-        job.state.swaps += 1
-        job.state.swapped_bytes += size
         return Swap(job.job_id, worker.worker_id, to, size)
 
     def _swap_done(self, job_id: str, seconds: float) -> str | None:
@@ -396,5 +400,4 @@ class Scheduler:
             worker.used_bytes -= move.state_bytes
         if job is not None:
             job.state.tier = move.to
-            job.state.swap_s += seconds
         return worker.worker_id

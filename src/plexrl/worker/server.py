@@ -187,8 +187,10 @@ class Worker:
         try:
             background = engine.start(ex.job_id, ex.call, ex.priority)
         except Exception as e:  # rejected before it started: reply now
-            background = Future()
-            background.set_exception(e)
+            rejected: Future[calls.Result] = Future()
+            rejected.set_exception(e)
+            sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, rejected)), copy=False)
+            return
         if background is None:
             sock.send_multipart(self._reply(ex, start, lambda: engine.execute(ex.job_id, ex.call)), copy=False)
         else:

@@ -59,7 +59,7 @@ def available() -> bool:
 class VllmConfig:
     max_loras: int = 32  # adapters in one batch
     # Every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 64 instead of 8 made
-    # sampling 2.7x slower (bench/sampler.py). Jobs with a larger rank need a worker started with it.
+    # sampling 2.5-5.6x slower (bench/sampler.py --max-lora-rank 64). Larger ranks need a worker started so.
     max_lora_rank: int = 8
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     dtype: str = "float32"  # the trainer's dtype, so both score tokens alike; "bfloat16" for big models
@@ -85,7 +85,6 @@ class VllmSampler:
         self._adapters: dict[str, _Adapter] = {}  # job key -> its current adapter version
         self._ids = itertools.count(1)
         self._requests = itertools.count()
-        self.device = device
         self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
         self.sleeping: int | None = None  # the level slept at, None when awake
         self._dir = Path(tempfile.mkdtemp(prefix="plexrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
@@ -211,15 +210,15 @@ class VllmSampler:
         """
         from vllm.lora.request import LoRARequest
 
-        name = f"{key}@v{version}"
-        path = self._dir / f"{name}-{next(self._requests)}"
+        name, lora_id = f"{key}@v{version}", next(self._ids)
+        path = self._dir / f"{name}-{lora_id}"
         path.mkdir()
         save_file(
             {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()},
             path / "adapter_model.safetensors",
         )
         peft_config.save_pretrained(str(path))
-        adapter = _Adapter(name, next(self._ids), path)
+        adapter = _Adapter(name, lora_id, path)
         self._call(self._engine.add_lora(LoRARequest(name, adapter.lora_id, str(path))), 120)
         old = self._adapters.get(key)
         self._adapters[key] = adapter
