@@ -45,7 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="tcp://127.0.0.1:7400", help="endpoint to listen on (port 0 = any free port)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
-    p.add_argument("--policy", default="fifo", help="scheduling policy")
+    p.add_argument(
+        "--policy",
+        default="fifo",
+        choices=["fifo", "dedicated", "plex"],
+        help="scheduling policy: fifo (share workers, oldest call first), dedicated (one job per worker), "
+        "plex (multiplex jobs: resident state first, fair share, swaps only when they pay)",
+    )
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     _common(p)
 
@@ -53,7 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
-    p.add_argument("--memory-budget-gb", type=float, default=8.0, help="device memory this worker may use")
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=8 << 30,
+        help="device memory jobs' state may use, e.g. 80GiB, 512MiB, 2e6 (declared on CPU; default 8GiB)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--sampler",
@@ -134,7 +145,7 @@ def _worker(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         device=args.device,
         name=args.name,
-        memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)),
+        memory_budget_bytes=args.memory_budget,
         max_message_bytes=args.max_message_bytes,
         sampler=args.sampler or default_sampler(),
         max_lora_rank=args.max_lora_rank,
@@ -165,10 +176,53 @@ async def _status(args: argparse.Namespace) -> int:
     async with Client(args.coordinator, connect_timeout_s=10.0) as client:
         st = await client.status()
     print(f"coordinator {args.coordinator}  up {st.uptime_s:.0f} s")
-    print(f"{'worker':8} {'name':16} {'device':8} {'jobs':>4} {'calls':>7} {'busy_s':>8}")
+    up = max(st.uptime_s, 1e-9)
+    print(
+        f"{'worker':8} {'name':16} {'device':8} {'jobs':>4} {'calls':>7} {'busy_s':>8} {'busy%':>6} {'state/budget':>20}"
+    )
     for w in st.workers:
-        print(f"{w.worker_id:8} {w.name[:16]:16} {w.device:8} {len(w.jobs):>4} {w.calls_done:>7} {w.busy_s:>8.1f}")
-    print(f"{'job':24} {'worker':8} {'state':8} {'queued':>6} {'running':>7} {'calls':>7}")
+        mem = f"{_size(w.state_bytes_on_device)}/{_size(w.memory_budget_bytes)}"
+        print(
+            f"{w.worker_id:8} {w.name[:16]:16} {w.device:8} {len(w.jobs):>4} {w.calls_done:>7} {w.busy_s:>8.1f} "
+            f"{100 * w.busy_s / up:>5.1f}% {mem:>20}"
+        )
+    print(
+        f"{'job':24} {'worker':8} {'state':8} {'tier':9} {'queued':>6} {'calls':>7} {'wall_s':>8} {'accel_s':>8} "
+        f"{'cost/held':>9} {'swaps':>6} {'swap_s':>7}"
+    )
     for j in st.jobs:
-        print(f"{j.job_id[:24]:24} {j.worker_id:8} {j.state:8} {j.queued:>6} {j.running!s:>7} {j.calls_done:>7}")
+        print(
+            f"{j.job_id[:24]:24} {j.worker_id:8} {j.state:8} {j.tier:9} {j.queued:>6} {j.calls_done:>7} "
+            f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f}"
+        )
     return 0
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``'80GiB'``, ``'512MB'``, ``'2e6'`` -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    try:
+        if match is None or unit not in _UNITS:
+            raise ValueError
+        value = float(match.group(1)) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be >= 0")
+    return int(value)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"

@@ -16,6 +16,7 @@ from plexrl.coordinator.scheduler import (
     Fail,
     JobClosed,
     JobOpened,
+    JobSized,
     Place,
     Scheduler,
     Swap,
@@ -193,9 +194,97 @@ def test_busy_seconds_count_only_time_with_a_running_call() -> None:
     assert s.busy_s("w0", 21.0) == 4.0
 
 
+def test_a_job_that_outgrows_the_budget_when_sized_pushes_idle_state_out_first() -> None:
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0", memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b"), 0.0)  # size unknown until its open ran
+    assert s.handle(CallSubmitted(1, "b", "open"), 1.0) == [Dispatch(1, "w0")]
+    # Over the budget now: the idle job's state leaves at once (never the running one's).
+    assert s.handle(JobSized("b", 10 * G), 2.0) == [Swap("a", "w0", "host", 10 * G)]
+    assert s.used_bytes("w0") == 20 * G
+    s.handle(CallFinished(1), 2.0)
+    assert s.handle(CallSubmitted(2, "a", "generate"), 2.0) == []  # a waits for its state to come back
+    assert s.handle(SwapDone("a", 10.0), 12.0) == []  # no room for a while b is resident
+    assert s.used_bytes("w0") == 10 * G
+
+
+def test_a_failed_move_leaves_the_state_where_it_was() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", memory_bytes=10 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b", 10 * G), 0.0)  # in the host store
+    assert s.handle(CallSubmitted(1, "b", "generate"), 1.0) == [Swap("a", "w0", "host", 10 * G)]
+    assert s.handle(SwapDone("a", 0.0, ok=False), 2.0) == [Swap("a", "w0", "host", 10 * G)]  # tried again
+    residency = s.residency("a")
+    assert s.used_bytes("w0") == 10 * G and residency is not None and residency.tier == "to_host"
+    assert s.handle(SwapDone("a", 10.0), 12.0) == [Swap("b", "w0", "device", 10 * G)]
+    assert s.handle(SwapDone("b", 10.0, ok=False), 22.0) == [Swap("b", "w0", "device", 10 * G)]
+    assert s.used_bytes("w0") == 10 * G  # the failed move in gave back its reservation
+
+
+def test_closing_a_job_needs_no_state_on_the_device() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", memory_bytes=10 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b", 10 * G), 0.0)  # in the host store
+    assert s.handle(CallSubmitted(1, "b", "close"), 1.0) == [Dispatch(1, "w0")]
+    s.handle(CallFinished(1), 2.0)
+    s.handle(JobClosed("b"), 2.0)
+    assert s.used_bytes("w0") == 10 * G
+
+
+def test_plex_runs_stage_unblocking_calls_first_then_the_job_furthest_below_its_fair_share() -> None:
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0"), 0.0)
+    for job, weight in (("a", 1.0), ("b", 1.0), ("c", 3.0)):
+        s.handle(JobOpened(job, weight=weight), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "generate"), 0.0) == [Dispatch(1, "w0")]
+    s.handle(CallSubmitted(2, "b", "generate"), 0.0)
+    s.handle(CallSubmitted(3, "c", "generate"), 0.0)
+    s.handle(CallSubmitted(4, "a", "sync_weights"), 0.0)
+    assert s.handle(CallFinished(1), 10.0) == [Dispatch(4, "w0")]  # a's sync unblocks its next stage
+    assert s.handle(CallFinished(4), 11.0) == [Dispatch(2, "w0")]  # b and c have had nothing: b is older
+    s.handle(CallSubmitted(5, "b", "generate"), 12.0)
+    # b has had 10 s (share 10), c none; after c's 30 s c has had 30 / weight 3 = 10 < a's 11:
+    assert s.handle(CallFinished(2), 21.0) == [Dispatch(3, "w0")]
+    s.handle(CallSubmitted(6, "a", "generate"), 22.0)
+    s.handle(CallSubmitted(7, "c", "generate"), 22.0)
+    assert s.handle(CallFinished(3), 30.0) == [Dispatch(7, "w0")]  # c: 9/3 = 3 s of share, a 11, b 10
+
+
+def test_batched_time_is_shared_between_the_calls_that_ran_together() -> None:
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0", slots=4), 0.0)
+    s.handle(JobOpened("a"), 0.0)
+    s.handle(JobOpened("b"), 0.0)
+    s.handle(CallSubmitted(1, "a", "generate"), 0.0)
+    s.handle(CallSubmitted(2, "b", "generate"), 2.0)  # a alone for 2 s, then both for 2 s
+    s.handle(CallFinished(1), 4.0)
+    s.handle(CallFinished(2), 5.0)  # b alone for 1 s
+    assert s.ledger.accelerator_s("a", 9.0) == pytest.approx(3.0)
+    assert s.ledger.accelerator_s("b", 9.0) == pytest.approx(2.0)
+    assert s.busy_s("w0", 9.0) == pytest.approx(5.0)
+
+
+def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) -> bool:
+    """Plex's rule for moving ``swap.job_id`` out: its expected idle gap exceeds moving it out and
+    back (break-even), or a job waiting on that worker has hit its starvation bound."""
+    from plexrl.coordinator import residency as rs
+
+    bps = s.bytes_per_s(swap.worker_id)
+    victim = s.residency(swap.job_id)
+    assert victim is not None
+    if victim.expected_gap_s is not None and victim.expected_gap_s > 2 * rs.transfer_s(victim.state_bytes, bps):
+        return True
+    waiting = [s.residency(j) for j, w in homes.items() if w == swap.worker_id]
+    return any(r is not None and rs.starving(r, now, bps) for r in waiting)
+
+
 # -- invariants on random event sequences ------------------------------------------------------
 
 UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
+BPS = UNIT / 10  # a unit moves in 10 s: break-even gaps of 20-40 s, near the gaps these sequences make
 _submit, _finish, _moved = (
     st.tuples(st.just("submit"), st.integers(0, 9)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
@@ -255,6 +344,10 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 running[a.call_id] = (job, a.worker_id)
             elif isinstance(a, Swap):
                 assert a.worker_id not in moving, "one transfer at a time per worker"
+                if policy == "plex" and a.to == "host":
+                    assert _evicting_pays(s, a, homes, t), (
+                        "plex moved state out that neither pays nor unblocks a starving job"
+                    )
                 assert homes[a.job_id] == a.worker_id
                 assert all(j != a.job_id for j, _ in running.values()), "never move a running job's state"
                 moving[a.worker_id] = (a.job_id, a.to)
@@ -276,7 +369,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             resident[job] = True
         else:
             device[w] -= sizes[job]
-        check(s.handle(SwapDone(job, 1.0), t))
+        check(s.handle(SwapDone(job, sizes[job] / BPS), t))  # at the declared bandwidth
 
     for kind, arg in ops:
         t += 1.0
@@ -284,7 +377,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             w = f"w{n_workers}"
             n_workers += 1
             workers[w] = (arg, (1 + arg % 2) * UNIT)  # room for one or two big jobs
-            check(s.handle(WorkerJoined(w, slots=arg, memory_bytes=(1 + arg % 2) * UNIT, swap_bytes_per_s=UNIT), t))
+            check(s.handle(WorkerJoined(w, slots=arg, memory_bytes=(1 + arg % 2) * UNIT, swap_bytes_per_s=BPS), t))
         elif kind == "open":
             j = f"j{n_jobs}"
             n_jobs += 1

@@ -20,8 +20,9 @@ import msgspec
 import numpy as np
 
 from plexrl.client.connection import Client, current_client
-from plexrl.errors import NoJobContextError, PlexError
+from plexrl.errors import JobClosedError, NoJobContextError, PlexError
 from plexrl.protocol import calls
+from plexrl.protocol.messages import JobInfo
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, SamplingParams
 
 current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("plexrl_job", default=None)
@@ -94,6 +95,14 @@ class Job:
     def load(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Loaded]:
         return self._submit(calls.Load(path=os.path.abspath(path)), calls.Loaded)
 
+    async def stats(self) -> JobInfo:
+        """The coordinator's accounting for this job: accelerator-seconds, swaps, where its state is."""
+        status = await self.client.status()
+        for info in status.jobs:
+            if info.job_id == self.job_id:
+                return info
+        raise JobClosedError(f"job {self.job_id!r} is not open on the coordinator")
+
     async def close(self) -> None:
         """Free the job's state on its worker. A no-op once the coordinator is gone (so is the job)."""
         if self._closed or self.client.lost:
@@ -113,11 +122,13 @@ async def job(
     lora: LoRA | None = LoRA(),
     optimizer: AdamW = AdamW(),
     seed: int = 0,
+    weight: float = 1.0,
     client: Client | None = None,
 ) -> AsyncIterator[Job]:
     """Open a job on the current client (``plexrl.local`` / ``plexrl.connect``), close it on exit.
 
-    ``lora=None`` trains a full copy of the model instead of an adapter.
+    ``lora=None`` trains a full copy of the model instead of an adapter. ``weight`` is the job's
+    share of accelerator time under the ``plex`` policy, relative to other jobs (2.0: twice).
     """
     client = client or current_client.get()
     if client is None:
@@ -126,7 +137,7 @@ async def job(
         )
     model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
     spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed)
-    job_id, opened = await client.open_job(name, spec)
+    job_id, opened = await client.open_job(name, spec, weight)
     handle = Job(client, job_id, name, spec, opened)
     token = current_job.set(handle)
     try:

@@ -36,6 +36,8 @@ class LocalCluster:
         log_level: str = "WARNING",
         max_message_bytes: int | None = None,
         sampler: str | None = None,
+        policy: str = "fifo",
+        memory_budget_bytes: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -49,6 +51,8 @@ class LocalCluster:
         self.log_level = log_level
         self.max_message_bytes = max_message_bytes
         self.sampler = sampler  # "vllm" | "hf"; None = the worker's default
+        self.policy = policy  # the coordinator's scheduling policy: fifo | dedicated | plex
+        self.memory_budget_bytes = memory_budget_bytes  # each worker's device budget (None: its default)
         self.address = ""
         self.coordinator: asyncio.subprocess.Process | None = None
         self.worker_processes: list[asyncio.subprocess.Process] = []
@@ -86,6 +90,7 @@ class LocalCluster:
                 "--print-address",
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
                 "--heartbeat-liveness", str(self.heartbeat_liveness),
+                "--policy", self.policy,
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,
@@ -103,6 +108,7 @@ class LocalCluster:
                 "--name", f"local-{i}",
                 "--threads", str(self.threads_per_worker),
                 *(["--sampler", self.sampler] if self.sampler else []),
+                *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
                 *extra,
             )  # fmt: skip
             self.worker_processes.append(await asyncio.create_subprocess_exec(*cmd))

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from plexrl.coordinator import residency as rs
+from plexrl.coordinator.accounting import Ledger
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
 
@@ -42,6 +43,16 @@ class WorkerLost:
 class JobOpened:
     job_id: str
     state_bytes: int = 0  # what must be on the device for its calls to run
+    weight: float = 1.0  # its share of accelerator time relative to other jobs (plex)
+
+
+@dataclass(frozen=True)
+class JobSized:
+    """The worker measured the job's state (known once its ``open`` ran); sent before that call's
+    ``CallFinished``. State that outgrew the device's budget is moved out first thing."""
+
+    job_id: str
+    state_bytes: int
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,8 @@ class SwapDone:
 
     job_id: str
     seconds: float
+    moved_bytes: int | None = None  # measured; None: the bytes the Swap named
+    ok: bool = True  # False: the move failed and the state stayed where it was
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,16 @@ class Tick:
 
 
 Event = (
-    WorkerJoined | WorkerLost | JobOpened | JobClosed | CallSubmitted | CallFinished | CallCancelled | SwapDone | Tick
+    WorkerJoined
+    | WorkerLost
+    | JobOpened
+    | JobSized
+    | JobClosed
+    | CallSubmitted
+    | CallFinished
+    | CallCancelled
+    | SwapDone
+    | Tick
 )
 
 # -- actions (scheduler -> server) -------------------------------------------------------------
@@ -145,8 +167,6 @@ class _Worker:
     moving: _Move | None = None  # the one transfer in flight on this worker
     running: set[int] = field(default_factory=set)
     jobs: set[str] = field(default_factory=set)
-    busy_since: float | None = None
-    busy_s: float = 0.0
 
 
 @dataclass
@@ -154,6 +174,7 @@ class _Job:
     job_id: str
     home: str
     state: Residency
+    weight: float = 1.0
     queue: deque[int] = field(default_factory=deque)
     running: int | None = None
     lost: str | None = None  # why the job's state is gone
@@ -168,8 +189,11 @@ class _Call:
 
 # dedicated: one job per worker, the baseline users have today. fifo: jobs share workers, oldest
 # call first, state moved in and out on demand (least recently used out). plex: resident calls
-# first, state moved out only when that pays (residency.pays_to_evict) or a waiting job starves.
+# first; among them calls that unblock a whole stage (CRITICAL), then the job furthest below its
+# weighted fair share of accelerator-seconds; state moved out only when that pays
+# (residency.pays_to_evict) or a waiting job starves.
 POLICIES = ("fifo", "dedicated", "plex")
+CRITICAL = frozenset({"open", "close", "optim_step", "sync_weights"})  # short, and the next stage waits on them
 
 
 class Scheduler:
@@ -184,6 +208,7 @@ class Scheduler:
         self._calls: dict[int, _Call] = {}
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
+        self.ledger = Ledger()
 
     # -- queries (for status and accounting) ----------------------------------------------------
 
@@ -199,9 +224,23 @@ class Scheduler:
         job = self._jobs.get(job_id)
         return bool(job and job.running is not None)
 
+    def has_waiting(self) -> bool:
+        """Some job waits for its state to be moved in (a ``Tick`` may now matter)."""
+        return bool(self._waiting)
+
     def busy_s(self, worker_id: str, now: float) -> float:
-        w = self._workers[worker_id]
-        return w.busy_s + (now - w.busy_since if w.busy_since is not None else 0.0)
+        return self.ledger.busy_s(worker_id, now)
+
+    def residency(self, job_id: str) -> Residency | None:
+        job = self._jobs.get(job_id)
+        return job.state if job else None
+
+    def used_bytes(self, worker_id: str) -> int:
+        return self._workers[worker_id].used_bytes
+
+    def bytes_per_s(self, worker_id: str) -> float:
+        """The worker's host<->device bandwidth as measured so far (the transfer cost model)."""
+        return self._workers[worker_id].bytes_per_s
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -214,9 +253,12 @@ class Scheduler:
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id, state_bytes):
-                actions += self._place(job_id, state_bytes)
+            case JobOpened(job_id, state_bytes, weight):
+                actions += self._place(job_id, state_bytes, weight, now)
+            case JobSized(job_id, state_bytes):
+                touched = self._resize(job_id, state_bytes)
             case JobClosed(job_id):
+                self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
                 if job and job.home in self._workers:
@@ -225,8 +267,8 @@ class Scheduler:
                     if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
                         worker.used_bytes -= job.state.state_bytes
                     touched = job.home
-            case SwapDone(job_id, seconds):
-                touched = self._swap_done(job_id, seconds)
+            case SwapDone(job_id, seconds, moved_bytes, ok):
+                touched = self._swap_done(job_id, seconds, moved_bytes, ok)
             case Tick():  # only workers with a job waiting for room can change anything
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
@@ -244,7 +286,7 @@ class Scheduler:
             actions += self._dispatch(self._workers[touched], now)
         return actions
 
-    def _place(self, job_id: str, state_bytes: int) -> list[Action]:
+    def _place(self, job_id: str, state_bytes: int, weight: float, now: float) -> list[Action]:
         if not self._workers:
             err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
             return [Fail(job_id, None, err)]
@@ -266,10 +308,21 @@ class Scheduler:
         worker.jobs.add(job_id)
         # A new job's state starts on the device if it fits there, else in host memory.
         fits = worker.used_bytes + state_bytes <= worker.memory_bytes
-        self._jobs[job_id] = _Job(job_id, worker.worker_id, Residency(state_bytes, rs.DEVICE if fits else rs.HOST))
+        state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
+        self._jobs[job_id] = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0)
         if fits:
             worker.used_bytes += state_bytes
+        self.ledger.job_opened(job_id, now)
         return [Place(job_id, worker.worker_id)]
+
+    def _resize(self, job_id: str, state_bytes: int) -> str | None:
+        job = self._jobs.get(job_id)
+        if job is None or job.state.tier not in (rs.DEVICE, rs.HOST):
+            return None  # sizes arrive with the opening call, which runs on the device: not in transit
+        if job.state.tier == rs.DEVICE:
+            self._workers[job.home].used_bytes += state_bytes - job.state.state_bytes
+        job.state.state_bytes = state_bytes
+        return job.home
 
     def _submit(self, call: _Call, now: float) -> list[Action]:
         job = self._jobs.get(call.job_id)
@@ -295,9 +348,7 @@ class Scheduler:
         worker = self._workers.get(job.home)
         if worker is not None:
             worker.running.discard(call_id)
-            if not worker.running and worker.busy_since is not None:
-                worker.busy_s += now - worker.busy_since
-                worker.busy_since = None
+            self.ledger.call_finished(worker.worker_id, job.job_id, now)
 
     def _cancel(self, call_id: int) -> None:
         call = self._calls.get(call_id)
@@ -331,22 +382,27 @@ class Scheduler:
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
         """Start what ``worker`` can start, and move state in or out for what cannot start yet."""
         actions: list[Action] = []
+        if worker.used_bytes > worker.memory_bytes and worker.moving is None:  # a job outgrew the budget
+            victim = self._victim(worker, None, now)
+            if victim is not None:
+                actions.append(self._move(worker, victim, rs.HOST))
         ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
-        if self.policy == "plex":  # calls whose state is resident first, then the oldest
-            ready.sort(key=lambda j: (j.state.tier != rs.DEVICE, j.queue[0]))
+        if self.policy == "plex":
+            ready.sort(key=lambda j: self._plex_rank(j, now))
         else:
             ready.sort(key=lambda j: j.queue[0])
         for job in ready:
-            if job.state.tier == rs.DEVICE:
+            call = self._calls[job.queue[0]]
+            # Closing needs no state on the device: it frees the state wherever it is.
+            if job.state.tier == rs.DEVICE or (call.kind == "close" and job.state.tier == rs.HOST):
                 if len(worker.running) < worker.slots:
                     job.state.waiting_since_s = None
                     self._waiting.discard(job.job_id)
-                    call_id = job.queue.popleft()
-                    job.running = call_id
-                    worker.running.add(call_id)
-                    if worker.busy_since is None:
-                        worker.busy_since = now
-                    actions.append(Dispatch(call_id, worker.worker_id))
+                    job.queue.popleft()
+                    job.running = call.call_id
+                    worker.running.add(call.call_id)
+                    self.ledger.call_started(worker.worker_id, job.job_id, now)
+                    actions.append(Dispatch(call.call_id, worker.worker_id))
                 continue
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
@@ -361,8 +417,16 @@ class Scheduler:
                 actions.append(self._move(worker, victim, rs.HOST))
         return actions
 
-    def _victim(self, worker: _Worker, waiting: _Job, now: float) -> _Job | None:
-        """The resident, idle job to move out so ``waiting`` can come in, if any should go now."""
+    def _plex_rank(self, job: _Job, now: float) -> tuple[bool, bool, float, int]:
+        """Resident first; then calls that unblock a stage; then the job furthest below its weighted
+        fair share of accelerator-seconds; then the oldest call."""
+        call = self._calls[job.queue[0]]
+        served = self.ledger.accelerator_s(job.job_id, now) / job.weight
+        return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
+
+    def _victim(self, worker: _Worker, waiting: _Job | None, now: float) -> _Job | None:
+        """The resident, idle job to move out so ``waiting`` can come in (or, with ``waiting`` None,
+        so the device gets back under its budget), if any should go now."""
         idle = [
             self._jobs[j]
             for j in sorted(worker.jobs)
@@ -370,7 +434,7 @@ class Scheduler:
         ]
         if not idle:
             return None
-        if self.policy == "plex":
+        if self.policy == "plex" and waiting is not None:
             paying = [j for j in idle if rs.pays_to_evict(j.state, worker.bytes_per_s)]
             if paying:
                 return max(paying, key=lambda j: j.state.expected_gap_s or 0.0)
@@ -387,17 +451,20 @@ class Scheduler:
             worker.used_bytes += size  # reserved now, so nothing else takes the room
         return Swap(job.job_id, worker.worker_id, to, size)
 
-    def _swap_done(self, job_id: str, seconds: float) -> str | None:
+    def _swap_done(self, job_id: str, seconds: float, moved_bytes: int | None, ok: bool) -> str | None:
         worker_id = self._moving.pop(job_id, None)
         worker = self._workers.get(worker_id) if worker_id is not None else None
         if worker is None or worker.moving is None or worker.moving.job_id != job_id:
             return None
         move, worker.moving = worker.moving, None
-        if seconds > 0 and move.state_bytes > 0:  # measured bandwidth refines the cost model
-            worker.bytes_per_s = 0.5 * worker.bytes_per_s + 0.5 * move.state_bytes / seconds
+        moved = move.state_bytes if moved_bytes is None else moved_bytes
+        if ok and seconds > 0 and moved > 0:  # measured bandwidth refines the cost model
+            worker.bytes_per_s = 0.5 * worker.bytes_per_s + 0.5 * moved / seconds
+        self.ledger.swapped(job_id, moved, seconds)
         job = self._jobs.get(job_id)
-        if move.to == rs.HOST or job is None:  # left the device (or its job closed on the way)
+        on_device = (move.to == rs.DEVICE) == ok  # a failed move leaves the state where it was
+        if job is None or not on_device:  # its room is free again (a move in reserved it up front)
             worker.used_bytes -= move.state_bytes
         if job is not None:
-            job.state.tier = move.to
+            job.state.tier = rs.DEVICE if on_device else rs.HOST
         return worker.worker_id

@@ -38,6 +38,7 @@ from plexrl.protocol.pump import Frames, Pump
 
 log = logging.getLogger("plexrl.coordinator")
 
+TICK_S = 0.1  # how often jobs waiting for device room are re-checked
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -107,6 +108,8 @@ class Coordinator:
         self._call_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
+        self._move_ids = itertools.count(1)
+        self._moves: dict[int, tuple[str, str]] = {}  # move id -> (worker, job) awaiting StateMoved
         self._stopping = asyncio.Event()
         self._pump: Pump | None = None
 
@@ -131,8 +134,10 @@ class Coordinator:
         try:
             async with asyncio.TaskGroup() as tg:
                 liveness = tg.create_task(self._liveness_loop())
+                ticks = tg.create_task(self._tick_loop())
                 await self._stopping.wait()
                 liveness.cancel()
+                ticks.cancel()
         finally:
             self._fail_everything()
             self._pump.close()
@@ -174,6 +179,13 @@ class Coordinator:
                 if not rec.liveness.tick():
                     self._lose_worker(rec, f"no heartbeat for {rec.liveness.liveness} intervals of {interval} s")
 
+    async def _tick_loop(self) -> None:
+        """Time passing matters to jobs waiting for device room (their starvation bound)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            if self._scheduler.has_waiting():
+                self._apply(sch.Tick())
+
     # -- inbound --------------------------------------------------------------------------------
 
     def _on_message(self, ident: bytes, msg: m.ToCoordinator) -> None:
@@ -213,6 +225,8 @@ class Coordinator:
                     self._send(ident, self._status(rid))
                 else:
                     self._waiters.append(_Waiter(ident, rid, n))
+            case m.StateMoved():
+                self._on_state_moved(worker_id, msg)
             case m.CallDone() | m.ErrorReply():
                 if worker_id is None:
                     log.warning(
@@ -234,7 +248,7 @@ class Coordinator:
             ident,
             m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
         )
-        self._apply(sch.WorkerJoined(worker_id, msg.slots))
+        self._apply(sch.WorkerJoined(worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes))
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
             self._waiters.remove(w)
             self._send(w.client, self._status(w.rid))
@@ -247,7 +261,10 @@ class Coordinator:
         job_id = f"{msg.name}-{next(self._job_ids)}"
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec))
-        for action in self._scheduler.handle(sch.JobOpened(job_id), self._now()):
+        if not msg.weight > 0:
+            raise InvalidRequestError(f"job weight {msg.weight} must be > 0 (1.0 is an equal share)")
+        # Its state's size is known once the worker opened it (JobSized).
+        for action in self._scheduler.handle(sch.JobOpened(job_id, weight=msg.weight), self._now()):
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id)
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
@@ -311,11 +328,23 @@ class Coordinator:
             )
         else:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
+        if isinstance(msg, m.CallDone) and isinstance(msg.result, calls.Opened):
+            self._apply(sch.JobSized(rec.job_id, msg.result.state_bytes))
         self._apply(sch.CallFinished(rec.call_id))
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
         if isinstance(rec.call, calls.Close) or opening_failed:
             self._jobs.pop(rec.job_id, None)
             self._apply(sch.JobClosed(rec.job_id))
+
+    def _on_state_moved(self, worker_id: str | None, msg: m.StateMoved) -> None:
+        move = self._moves.get(msg.rid)
+        if move is None or move[0] != worker_id:
+            log.warning("dropping StateMoved %d (job %s) that no worker of ours owes", msg.rid, msg.job_id)
+            return
+        del self._moves[msg.rid]
+        if msg.error:
+            log.error("worker %s could not move job %s's state to %s: %s", worker_id, msg.job_id, msg.to, msg.error)
+        self._apply(sch.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
 
     def _forget(self, rec: _CallRecord) -> None:
         self._calls.pop(rec.call_id, None)
@@ -344,16 +373,17 @@ class Coordinator:
                     self._scheduler.handle(sch.JobClosed(job_id), self._now())
             case sch.Place():
                 raise AssertionError("placement happens only when a job opens")
-            case sch.Swap(job_id):
-                # Workers join without a memory budget and jobs open with no declared state size
-                # (residency transitions on workers come next), so nothing ever needs moving:
-                # the state is already where it must be.
-                self._apply(sch.SwapDone(job_id, 0.0))
+            case sch.Swap(job_id, worker_id, to):
+                move_id = next(self._move_ids)
+                self._moves[move_id] = (worker_id, job_id)
+                self._send(self._workers[worker_id].ident, m.MoveState(rid=move_id, job_id=job_id, to=to))
 
     def _lose_worker(self, rec: _WorkerRecord, reason: str) -> None:
         log.warning("worker %s (%s) lost: %s", rec.worker_id, rec.info.name, reason)
         del self._workers[rec.worker_id]
         self._worker_by_ident.pop(rec.ident, None)
+        for move_id in [k for k, (w, _) in self._moves.items() if w == rec.worker_id]:
+            del self._moves[move_id]  # the scheduler forgets the transfer with the worker
         for job in self._jobs.values():
             if job.worker_id == rec.worker_id:
                 job.state = "lost"
@@ -391,23 +421,34 @@ class Coordinator:
                 calls_done=w.calls_done,
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
                 pid=w.info.pid,
+                state_bytes_on_device=self._scheduler.used_bytes(w.worker_id),
             )
             for w in self._workers.values()
         ]
-        jobs = [
-            m.JobInfo(
-                job_id=j.job_id,
-                name=j.name,
-                owner=j.owner.hex(),
-                worker_id=j.worker_id,
-                queued=self._scheduler.queued(j.job_id),
-                running=self._scheduler.is_running(j.job_id),
-                calls_done=j.calls_done,
-                state=j.state,
-            )
-            for j in self._jobs.values()
-        ]
+        jobs = [self._job_info(j, now) for j in self._jobs.values()]
         return m.StatusReply(rid=rid, workers=workers, jobs=jobs, uptime_s=now - self._started)
+
+    def _job_info(self, j: _JobRecord, now: float) -> m.JobInfo:
+        ledger = self._scheduler.ledger
+        usage = ledger.jobs.get(j.job_id)
+        residency = self._scheduler.residency(j.job_id)
+        return m.JobInfo(
+            job_id=j.job_id,
+            name=j.name,
+            owner=j.owner.hex(),
+            worker_id=j.worker_id,
+            queued=self._scheduler.queued(j.job_id),
+            running=self._scheduler.is_running(j.job_id),
+            calls_done=j.calls_done,
+            state=j.state,
+            tier=residency.tier if residency else "",
+            state_bytes=residency.state_bytes if residency else 0,
+            wall_s=usage.wall_s(now) if usage else 0.0,
+            accelerator_s=ledger.accelerator_s(j.job_id, now),
+            swaps=usage.swaps if usage else 0,
+            swap_bytes=usage.swap_bytes if usage else 0,
+            swap_s=usage.swap_s if usage else 0.0,
+        )
 
 
 def _validate(call: calls.Call) -> None:

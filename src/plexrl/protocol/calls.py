@@ -77,6 +77,7 @@ class Opened(msgspec.Struct, tag="opened", frozen=True):
     weight_version: int
     trainable_params: int
     total_params: int
+    state_bytes: int = 0  # the job's movable state on its worker's device (what residency moves)
 
 
 class Generated(msgspec.Struct, tag="generated", frozen=True):

@@ -69,6 +69,7 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
 
     name: str
     spec: JobSpec
+    weight: float = 1.0  # the job's share of accelerator time relative to other jobs (plex policy)
 
 
 class Submit(Envelope, tag="submit", frozen=True):
@@ -105,6 +106,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     calls_done: int
     busy_s: float
     pid: int = 0
+    state_bytes_on_device: int = 0  # jobs' state resident on its device (at most its budget)
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -116,6 +118,19 @@ class JobInfo(msgspec.Struct, frozen=True):
     running: bool
     calls_done: int
     state: str  # "open", "closing", "lost"
+    tier: str = ""  # where its state is: "device", "host", "to_device", "to_host"
+    state_bytes: int = 0
+    wall_s: float = 0.0  # since it opened
+    accelerator_s: float = 0.0  # its calls' device time (its share when batched) + its transitions
+    swaps: int = 0
+    swap_bytes: int = 0
+    swap_s: float = 0.0
+
+    @property
+    def cost_vs_held(self) -> float:
+        """Accelerator-seconds over wall seconds: what it pays here relative to holding a device
+        for its whole life (1.0 = it used the device all the time)."""
+        return self.accelerator_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class StatusReply(Envelope, tag="status_reply", frozen=True):
@@ -136,6 +151,16 @@ class Register(Envelope, tag="register", frozen=True):
     slots: int = 1  # calls it runs at once (a vLLM sampler serves many jobs' generates together)
 
 
+class StateMoved(Envelope, tag="state_moved", frozen=True):
+    """The answer to ``MoveState``: where the job's state is now, and what moving it cost."""
+
+    job_id: str
+    to: str
+    bytes: int
+    seconds: float
+    error: str = ""  # the move failed (the state stayed where it was)
+
+
 # -- coordinator -> worker ---------------------------------------------------------------------
 
 
@@ -151,6 +176,13 @@ class Execute(Envelope, tag="execute", frozen=True):
     priority: int = 0  # lower runs first where the engine queues requests (vLLM)
 
 
+class MoveState(Envelope, tag="move_state", frozen=True):
+    """Move the job's state to ``to`` (``device`` or ``host``); answered by ``StateMoved``."""
+
+    job_id: str
+    to: str
+
+
 class Abort(Envelope, tag="abort", frozen=True):
     """Stop the running call ``rid`` if the engine can (a vLLM generate); it then fails with
     ``CallAbortedError``. A call the engine cannot interrupt finishes as usual."""
@@ -158,7 +190,9 @@ class Abort(Envelope, tag="abort", frozen=True):
 
 ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat
 CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat | Shutdown
-WorkerToCoordinator = Register | CallDone | ErrorReply | Heartbeat
-CoordinatorToWorker = Registered | Execute | Abort | Heartbeat | Shutdown
+WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | Heartbeat
+CoordinatorToWorker = Registered | Execute | MoveState | Abort | Heartbeat | Shutdown
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
-ToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat | Register | CallDone | ErrorReply
+ToCoordinator = (
+    Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat | Register | CallDone | ErrorReply | StateMoved
+)

@@ -8,6 +8,7 @@ anything else propagates as-is and the server reports it as a failed call.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
 import torch
@@ -28,11 +29,15 @@ from plexrl.protocol.calls import (
     Save,
     SyncWeights,
 )
+from plexrl.worker import memory
+from plexrl.worker.memory import Moved
 from plexrl.worker.models import ModelCache
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Job, Weights, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
+
+log = logging.getLogger("plexrl.worker")
 
 
 class Engine:
@@ -45,6 +50,7 @@ class Engine:
         self._models = ModelCache(self.device)
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, Job] = {}
+        self._mover = memory.Mover(self.device)
 
     def job_ids(self) -> list[str]:
         return list(self._jobs)
@@ -52,6 +58,8 @@ class Engine:
     def start(self, job_id: str, call: Call, priority: int = 0) -> Future[Result] | None:
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
+            if job.host_state is not None:
+                self._mover.to_device(job)
             return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
         return None
 
@@ -63,12 +71,26 @@ class Engine:
         self._vllm.clear()
         self._jobs.clear()
 
+    def move(self, job_id: str, to: str) -> Moved:
+        """Move the job's state to ``to`` (``device`` or ``host``); measured. Safe on another thread
+        than ``execute`` as long as the job itself has no call running (the scheduler's rule)."""
+        job = self._job(job_id)
+        if to == memory.DEVICE:
+            return self._mover.to_device(job)
+        if to == memory.HOST:
+            return self._mover.to_host(job)
+        raise InvalidRequestError(f"cannot move state to {to!r}: choose 'device' or 'host'")
+
     def execute(self, job_id: str, call: Call) -> Result:
         if isinstance(call, Open):
             return self._open(job_id, call.spec)
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
+        job = self._job(job_id)
+        if job.host_state is not None and not isinstance(call, Close):  # the scheduler moves it in first;
+            # this is the safety net
+            log.warning(
+                "job %s's state was in the host store when its %s arrived: moving it in", job_id, type(call).__name__
+            )
+            self._mover.to_device(job)
         match call:
             case Generate(prompts=prompts, params=params):
                 return job.generate(prompts, params)
@@ -88,6 +110,12 @@ class Engine:
                 del self._jobs[job_id]
                 return job.close()
         raise InvalidRequestError(f"the engine cannot execute {type(call).__name__} calls")
+
+    def _job(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
+        return job
 
     def _open(self, job_id: str, spec: JobSpec) -> Opened:
         if job_id in self._jobs:

@@ -18,9 +18,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -30,7 +30,11 @@ from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
 from plexrl.protocol.liveness import Liveness
 
+if TYPE_CHECKING:
+    from plexrl.worker.memory import Moved
+
 log = logging.getLogger("plexrl.worker")
+Frames = list[bytes | memoryview]
 
 POLL_MS = 100  # how often an idle worker checks for stop and for a lost coordinator
 VLLM_SLOTS = 64  # calls a vLLM worker accepts at once (generates overlap; other calls queue here)
@@ -45,6 +49,10 @@ class CallEngine(Protocol):
         ...
 
     def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
+
+    def move(self, job_id: str, to: str) -> Moved:
+        """Move the job's state to ``to`` (``device`` or ``host``); runs on the worker's move thread."""
+        ...
 
     def close(self) -> None:
         """Free everything (engine processes included); the engine is not used again."""
@@ -84,12 +92,14 @@ class Worker:
             m.CoordinatorToWorker, max_bytes=config.max_message_bytes, copy_arrays=True
         )
         self._stopping = threading.Event()
-        # Background calls (vLLM generates) finish on another thread: their outcomes queue here
-        # and a byte on the pipe wakes the main thread's poll.
-        self._finished: queue.SimpleQueue[tuple[m.Execute, float, Future[calls.Result]]] = queue.SimpleQueue()
+        # Background work (vLLM generates, state moves) finishes on other threads: the replies to
+        # send queue here (built on the main thread) and a byte on the pipe wakes its poll.
+        self._finished: queue.SimpleQueue[Callable[[], Frames]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._running: dict[int, Future[calls.Result]] = {}  # background calls by request id
+        # State moves run one at a time beside the calls (the scheduler never moves a job that runs).
+        self._moves = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-move")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -116,6 +126,7 @@ class Worker:
                     engine.close()
                     engine = self._new_engine()
         finally:
+            self._moves.shutdown(wait=True)
             engine.close()
             ctx.term()
 
@@ -177,6 +188,8 @@ class Worker:
                 continue
             if isinstance(msg, m.Execute):
                 self._execute(sock, engine, msg)
+            elif isinstance(msg, m.MoveState):
+                self._start_move(engine, msg)
             elif isinstance(msg, m.Abort) and msg.rid in self._running:
                 self._running[msg.rid].cancel()  # its done callback sends the CallAbortedError
             elif isinstance(msg, m.Shutdown):
@@ -195,11 +208,29 @@ class Worker:
             sock.send_multipart(self._reply(ex, start, lambda: engine.execute(ex.job_id, ex.call)), copy=False)
         else:
             self._running[ex.rid] = background
-            background.add_done_callback(lambda f: self._on_finished(ex, start, f))
+            background.add_done_callback(lambda f: self._later(functools.partial(self._finished_call, ex, start, f)))
 
-    def _on_finished(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> None:
-        self._finished.put((ex, start, fut))
+    def _start_move(self, engine: CallEngine, msg: m.MoveState) -> None:
+        move = self._moves.submit(engine.move, msg.job_id, msg.to)
+        move.add_done_callback(lambda f: self._later(functools.partial(self._moved, msg, f)))
+
+    def _later(self, reply: Callable[[], Frames]) -> None:
+        """From any thread: have the main thread build and send ``reply()``."""
+        self._finished.put(reply)
         os.write(self._wake_w, b"\0")
+
+    def _finished_call(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> Frames:
+        self._running.pop(ex.rid, None)
+        return self._reply(ex, start, functools.partial(_outcome, fut))
+
+    def _moved(self, msg: m.MoveState, fut: Future[Moved]) -> Frames:
+        try:
+            done = fut.result()
+            reply = m.StateMoved(rid=msg.rid, job_id=msg.job_id, to=done.to, bytes=done.bytes, seconds=done.seconds)
+        except Exception as e:  # the state stayed where it was; the coordinator hears why
+            log.exception("moving job %s's state to %s failed", msg.job_id, msg.to)
+            reply = m.StateMoved(rid=msg.rid, job_id=msg.job_id, to=msg.to, bytes=0, seconds=0.0, error=f"{e}")
+        return self._codec.encode(reply)
 
     def _send_finished(self, sock: zmq.Socket[bytes]) -> None:
         while True:
@@ -209,13 +240,12 @@ class Worker:
                 break
         while True:
             try:
-                ex, start, fut = self._finished.get_nowait()
+                reply = self._finished.get_nowait()
             except queue.Empty:
                 return
-            self._running.pop(ex.rid, None)
-            sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, fut)), copy=False)
+            sock.send_multipart(reply(), copy=False)
 
-    def _reply(self, ex: m.Execute, start: float, outcome: Callable[[], calls.Result]) -> list[bytes | memoryview]:
+    def _reply(self, ex: m.Execute, start: float, outcome: Callable[[], calls.Result]) -> Frames:
         """The encoded reply to one call: its result, or a typed error (the worker lives on)."""
         kind = calls.CALL_KIND[type(ex.call)]
         reply: m.CallDone | m.ErrorReply

@@ -35,6 +35,7 @@ from plexrl.protocol.calls import (
     Synced,
 )
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
+from plexrl.worker.memory import planned_state_bytes
 from plexrl.worker.models import BaseModel
 from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
@@ -100,11 +101,17 @@ class Job:
         self.weight_version = 0
         self.generate_calls = 0
         self.pending_tokens = 0  # completion tokens whose gradients await optim_step
+        self.host_state: dict[str, Tensor] | None = None  # set while the state is in the host store
         self._publish(weights.trainer_params, initial=True)
 
     def opened(self) -> Opened:
         trainable = sum(p.numel() for p in self.weights.trainer_params.values())
-        return Opened(weight_version=0, trainable_params=trainable, total_params=self.weights.total_params)
+        return Opened(
+            weight_version=0,
+            trainable_params=trainable,
+            total_params=self.weights.total_params,
+            state_bytes=planned_state_bytes(self),
+        )
 
     def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
         return self.generate_async(prompts, params).result()

@@ -1,0 +1,160 @@
+"""Residency on a worker: a job's state moves between the device store and the host store, for real.
+
+A job's movable state is its trainer weights (LoRA adapter or full copy) and their gradients,
+its AdamW moments, and the sampler copy the hf sampler runs (under vLLM the sampler's adapters
+live in vLLM, whose own LoRA cache manages them). The shared frozen base model stays put.
+
+Moving out copies every tensor into a host buffer (pinned, on a side stream, on CUDA), then
+frees the device tensor: a parameter keeps its identity (the optimizer and peft hold it) but
+its ``data`` becomes an empty placeholder, so running on state that is not resident fails
+loudly instead of computing garbage. Moving in allocates device tensors, copies, waits for the
+copies, then puts them in place. On CPU both stores are RAM and the device budget is declared,
+but the copies and frees are the same real work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from plexrl.worker.trainer.job import Job
+
+DEVICE, HOST = "device", "host"
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One transition, as measured by the worker."""
+
+    to: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where one state tensor lives: read it, or put another tensor (or None, for a gradient) there."""
+
+    get: Callable[[], Tensor | None]
+    put: Callable[[Tensor | None], None]
+    placeholder: bool  # out: an empty tensor stays in its place (parameters); else None (gradients)
+
+
+def _param_ref(p: torch.nn.Parameter) -> _Ref:
+    def put(t: Tensor | None) -> None:
+        assert t is not None
+        p.data = t
+
+    return _Ref(lambda: p.data, put, placeholder=True)
+
+
+def _grad_ref(p: torch.nn.Parameter) -> _Ref:
+    def put(t: Tensor | None) -> None:
+        p.grad = t
+
+    return _Ref(lambda: p.grad, put, placeholder=False)
+
+
+def _entry_ref(state: dict[str, object], key: str) -> _Ref:
+    def get() -> Tensor | None:
+        value = state.get(key)
+        return value if isinstance(value, Tensor) else None
+
+    def put(t: Tensor | None) -> None:
+        state[key] = t
+
+    return _Ref(get, put, placeholder=True)
+
+
+def state_refs(job: Job) -> dict[str, _Ref]:
+    """Every movable tensor of ``job``, in the order a move *in* restores them (parameters first:
+    a gradient must match its parameter's shape)."""
+    weights = job.weights
+    refs: dict[str, _Ref] = {}
+    for name, p in weights.trainer_params.items():
+        refs[f"trainer/{name}"] = _param_ref(p)
+    for name, p in weights.sampler_params.items():
+        refs[f"sampler/{name}"] = _param_ref(p)
+    for name, p in weights.trainer_params.items():
+        refs[f"grad/{name}"] = _grad_ref(p)
+        state = job.optimizer.state.get(p, {})
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.ndim > 0:  # AdamW's scalar step counter stays
+                refs[f"optim/{name}/{key}"] = _entry_ref(state, key)
+    return refs
+
+
+def planned_state_bytes(job: Job) -> int:
+    """What the job's state takes on the device once it has stepped: trainer weights, their
+    gradients and two AdamW moments, plus the sampler copy."""
+    trainer = sum(p.numel() * p.element_size() for p in job.weights.trainer_params.values())
+    sampler = sum(p.numel() * p.element_size() for p in job.weights.sampler_params.values())
+    return 4 * trainer + sampler
+
+
+class Mover:
+    """Performs a worker's state transitions; one at a time (the scheduler sends one per worker)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+
+    def to_host(self, job: Job) -> Moved:
+        if job.host_state is not None:
+            return Moved(HOST, 0, 0.0)
+        start = time.perf_counter()
+        refs = state_refs(job)
+        store: dict[str, Tensor] = {}
+        with self._on_side_stream():
+            for key, ref in refs.items():
+                t = ref.get()
+                if t is None:
+                    continue
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+                host.copy_(t, non_blocking=self._cuda)
+                store[key] = host
+        self._wait()
+        for key in reversed(list(refs)):  # gradients before their parameters
+            ref = refs[key]
+            if key in store:
+                t = store[key]
+                ref.put(torch.empty(0, dtype=t.dtype, device=self.device) if ref.placeholder else None)
+        job.host_state = store
+        return Moved(HOST, sum(t.nbytes for t in store.values()), time.perf_counter() - start)
+
+    def to_device(self, job: Job) -> Moved:
+        store = job.host_state
+        if store is None:
+            return Moved(DEVICE, 0, 0.0)
+        start = time.perf_counter()
+        refs = state_refs(job)
+        placed: dict[str, Tensor] = {}
+        with self._on_side_stream():
+            for key, host in store.items():
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                dev.copy_(host, non_blocking=self._cuda)
+                placed[key] = dev
+        self._wait()
+        for key, ref in refs.items():  # parameters, then gradients and moments
+            if key in placed:
+                ref.put(placed[key])
+        job.host_state = None
+        return Moved(DEVICE, sum(t.nbytes for t in placed.values()), time.perf_counter() - start)
+
+    def _on_side_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers first
+        return torch.cuda.stream(self._stream)
+
+    def _wait(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
