@@ -428,3 +428,15 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     for j, ids in submitted.items():
         if j in homes and homes[j] in workers:
             assert all(c in outcome for c in ids), f"job {j} has calls that never ran nor failed"
+
+
+def test_plex_packs_jobs_of_one_base_together_and_opens_a_device_only_when_the_others_are_full() -> None:
+    s = Scheduler("plex")
+    for w in ("w0", "w1", "w2"):
+        s.handle(WorkerJoined(w, slots=4), 0.0)
+    placed = [s.handle(JobOpened(j, base=b), 0.0)[0] for j, b in [("a", "x"), ("b", "y"), ("c", "x"), ("d", "x")]]
+    # b's base differs: a device of its own; c joins a (same base, room for two jobs' expected load);
+    # d finds a's device full and b's on another base: the last device.
+    assert placed == [Place("a", "w0"), Place("b", "w1"), Place("c", "w0"), Place("d", "w2")]
+    (e,) = s.handle(JobOpened("e", base="z"), 0.0)  # no device has room: the least loaded one
+    assert e == Place("e", "w1")

@@ -58,3 +58,42 @@ def test_under_memory_pressure_plex_moves_state_less_than_fifo_and_every_job_fin
     for result in runs.values():
         assert all(j.finished_s is not None for j in result.jobs)
     assert 0 < runs["plex"].swaps < runs["fifo"].swaps
+
+
+def _one_generate(base: str) -> JobModel:
+    """One generate call of exactly 100 decode steps of 10 ms (8 ms of it reading shared weights)."""
+    return JobModel(
+        "g",
+        steps=1,
+        turns=1,
+        rollouts=1,
+        output_tokens=Lognormal(99.5, 0.0),  # 100 after rounding up
+        decode_step_s=0.01,
+        shared_step_fraction=0.8,
+        tool_latency_s=Lognormal(1e-6, 0.0),
+        train_s_per_token=0.0,
+        optim_step_s=0.0,
+        sync_s=0.0,
+        base=base,
+    )
+
+
+@pytest.mark.parametrize(
+    ("bases", "seconds"),
+    [
+        (["x"], 1.0),  # alone: 100 steps x 10 ms
+        (["x", "x"], 1.2),  # batched on one base: a round reads the weights once (8 ms) + 2 x 2 ms
+        (["x", "y"], 2.0),  # two bases: a round reads both models' weights, 2 x 10 ms
+    ],
+)
+def test_generates_batched_on_a_device_share_the_weight_reads_of_their_base(bases: list[str], seconds: float) -> None:
+    result = Simulation("plex", 1, [_one_generate(b) for b in bases], slots=4, record_timeline=True).run()
+    generates = [(end - start) for _, _, start, end in result.timeline][: len(bases)]
+    assert generates == pytest.approx([seconds] * len(bases))
+    assert sum(j.accelerator_s for j in result.jobs) == pytest.approx(sum(result.busy_s.values()))
+
+
+def test_jobs_open_when_they_arrive() -> None:
+    late = JobModel("late", steps=1, arrival_s=500.0)
+    result = Simulation("fifo", 1, [AGENTIC, late], seed=0).run()
+    assert result.jobs[1].started_s == 500.0 and result.jobs[1].finished_s is not None

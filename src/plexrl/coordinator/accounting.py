@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class JobUsage:
     opened_s: float
     closed_s: float | None = None
@@ -31,17 +31,19 @@ class JobUsage:
         return self.accelerator_s / wall if wall > 0 else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class DeviceUsage:
     since: float = 0.0  # the last time the running set changed
     busy_s: float = 0.0
     running: dict[str, int] = field(default_factory=dict)  # job -> its calls running here
+    calls: int = 0  # calls running here (the sum of ``running``)
 
 
 class Ledger:
     def __init__(self) -> None:
         self.jobs: dict[str, JobUsage] = {}
         self.devices: dict[str, DeviceUsage] = {}
+        self._on: dict[str, set[str]] = {}  # job -> devices running a call of it
 
     def job_opened(self, job_id: str, now: float) -> None:
         self.jobs[job_id] = JobUsage(opened_s=now)
@@ -54,16 +56,21 @@ class Ledger:
     def call_started(self, worker_id: str, job_id: str, now: float) -> None:
         device = self._settle(worker_id, now)
         device.running[job_id] = device.running.get(job_id, 0) + 1
+        device.calls += 1
+        self._on.setdefault(job_id, set()).add(worker_id)
         if job_id in self.jobs:
             self.jobs[job_id].calls += 1
 
     def call_finished(self, worker_id: str, job_id: str, now: float) -> None:
         device = self._settle(worker_id, now)
         left = device.running.get(job_id, 0) - 1
+        if job_id in device.running:
+            device.calls -= 1
         if left > 0:
             device.running[job_id] = left
         else:
             device.running.pop(job_id, None)
+            self._on.get(job_id, set()).discard(worker_id)
 
     def swapped(self, job_id: str, moved_bytes: int, seconds: float) -> None:
         usage = self.jobs.get(job_id)
@@ -78,20 +85,22 @@ class Ledger:
 
     def accelerator_s(self, job_id: str, now: float) -> float:
         """Settled up to ``now`` on every device the job runs on."""
-        for worker_id, device in self.devices.items():
-            if job_id in device.running:
-                self._settle(worker_id, now)
+        for worker_id in sorted(self._on.get(job_id, ())):
+            self._settle(worker_id, now)
         usage = self.jobs.get(job_id)
         return usage.accelerator_s if usage is not None else 0.0
 
     def _settle(self, worker_id: str, now: float) -> DeviceUsage:
-        device = self.devices.setdefault(worker_id, DeviceUsage(since=now))
-        n = sum(device.running.values())
+        device = self.devices.get(worker_id)
+        if device is None:
+            device = self.devices[worker_id] = DeviceUsage(since=now)
+        n = device.calls
         dt = now - device.since
         if n and dt > 0:
             device.busy_s += dt
+            jobs = self.jobs
             for job_id, k in device.running.items():
-                if job_id in self.jobs:
-                    self.jobs[job_id].accelerator_s += dt * k / n
+                if job_id in jobs:
+                    jobs[job_id].accelerator_s += dt * k / n
         device.since = now
         return device

@@ -18,7 +18,7 @@ GAP_EWMA = 0.5  # weight of the newest idle gap in a job's expected gap
 STARVATION_TRANSFERS = 20.0  # a waiting job may force a move after this many of its own transfer times
 
 
-@dataclass
+@dataclass(slots=True)
 class Residency:
     """One job's state on its home worker."""
 

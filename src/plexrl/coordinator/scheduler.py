@@ -25,7 +25,7 @@ from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
 # -- events (server -> scheduler) --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerJoined:
     worker_id: str
     slots: int = 1  # calls the worker may run at once
@@ -33,20 +33,21 @@ class WorkerJoined:
     swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerLost:
     worker_id: str
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobOpened:
     job_id: str
     state_bytes: int = 0  # what must be on the device for its calls to run
     weight: float = 1.0  # its share of accelerator time relative to other jobs (plex)
+    base: str = ""  # its base model: plex places jobs on one base together (their generates batch)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobSized:
     """The worker measured the job's state (known once its ``open`` ran); sent before that call's
     ``CallFinished``. State that outgrew the device's budget is moved out first thing."""
@@ -55,24 +56,24 @@ class JobSized:
     state_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobClosed:
     job_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallSubmitted:
     call_id: int  # increasing in submission order
     job_id: str
     kind: str  # "generate", "forward_backward", ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallFinished:
     call_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallCancelled:
     """The caller gave up: a queued call leaves its queue; a running one runs until the worker
     reports it (aborted or finished) with ``CallFinished``."""
@@ -80,7 +81,7 @@ class CallCancelled:
     call_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SwapDone:
     """The worker finished moving ``job_id``'s state (the direction the ``Swap`` named)."""
 
@@ -90,7 +91,7 @@ class SwapDone:
     ok: bool = True  # False: the move failed and the state stayed where it was
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed with nothing else happening: re-check waiting jobs (the starvation bound)."""
 
@@ -111,7 +112,7 @@ Event = (
 # -- actions (scheduler -> server) -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Place:
     """The job's trainer state lives on ``worker_id`` for the job's life."""
 
@@ -119,14 +120,14 @@ class Place:
     worker_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Dispatch:
     call_id: int
     worker_id: str
     priority: int = 0  # for the worker's engine queue (vLLM): lower runs first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fail:
     """Fail the call (or, with ``call_id`` None, the job's opening) with ``error``."""
 
@@ -135,7 +136,7 @@ class Fail:
     error: PlexError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Swap:
     """Move ``job_id``'s state on ``worker_id`` to ``to`` (``device`` or ``host``); answer with ``SwapDone``."""
 
@@ -150,14 +151,14 @@ Action = Place | Dispatch | Fail | Swap
 # -- state -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Move:
     job_id: str
     to: str
     state_bytes: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Worker:
     worker_id: str
     slots: int
@@ -169,18 +170,19 @@ class _Worker:
     jobs: set[str] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     job_id: str
     home: str
     state: Residency
     weight: float = 1.0
+    base: str = ""
     queue: deque[int] = field(default_factory=deque)
     running: int | None = None
     lost: str | None = None  # why the job's state is gone
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Call:
     call_id: int
     job_id: str
@@ -193,6 +195,9 @@ class _Call:
 # weighted fair share of accelerator-seconds; state moved out only when that pays
 # (residency.pays_to_evict) or a waiting job starves.
 POLICIES = ("fifo", "dedicated", "plex")
+NEW_JOB_LOAD = 0.5  # plex: the busy fraction a job is expected to need until it has been observed
+OBSERVE_S = 300.0  # plex: a job's own busy fraction replaces the guess after this long
+PACK_LOAD = 1.0  # plex: a new job goes where the expected busy fractions leave room for it
 CRITICAL = frozenset({"open", "close", "optim_step", "sync_weights"})  # short, and the next stage waits on them
 
 
@@ -247,14 +252,21 @@ class Scheduler:
     def handle(self, event: Event, now: float) -> list[Action]:
         actions: list[Action] = []
         touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
-        match event:
+        match event:  # the frequent events first
+            case CallSubmitted(call_id, job_id, kind):
+                actions += self._submit(_Call(call_id, job_id, kind), now)
+                touched = self.home_of(job_id)
+            case CallFinished(call_id):
+                call = self._calls.get(call_id)
+                touched = self.home_of(call.job_id) if call is not None else None
+                self._finish(call_id, now)
             case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s):
                 self._workers[worker_id] = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id, state_bytes, weight):
-                actions += self._place(job_id, state_bytes, weight, now)
+            case JobOpened(job_id, state_bytes, weight, base):
+                actions += self._place(job_id, state_bytes, weight, base, now)
             case JobSized(job_id, state_bytes):
                 touched = self._resize(job_id, state_bytes)
             case JobClosed(job_id):
@@ -273,20 +285,13 @@ class Scheduler:
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)
-            case CallSubmitted(call_id, job_id, kind):
-                actions += self._submit(_Call(call_id, job_id, kind), now)
-                touched = self.home_of(job_id)
-            case CallFinished(call_id):
-                call = self._calls.get(call_id)
-                touched = self.home_of(call.job_id) if call is not None else None
-                self._finish(call_id, now)
             case CallCancelled(call_id):
                 self._cancel(call_id)
         if touched is not None and touched in self._workers:
             actions += self._dispatch(self._workers[touched], now)
         return actions
 
-    def _place(self, job_id: str, state_bytes: int, weight: float, now: float) -> list[Action]:
+    def _place(self, job_id: str, state_bytes: int, weight: float, base: str, now: float) -> list[Action]:
         if not self._workers:
             err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
             return [Fail(job_id, None, err)]
@@ -303,17 +308,45 @@ class Scheduler:
                     "one: add a worker, close a job, or use a multiplexing policy"
                 )
                 return [Fail(job_id, None, err)]
-        # Fewest jobs first; ties go to the worker that joined first (dicts keep insertion order).
-        worker = min(fitting, key=lambda w: len(w.jobs))
+        if self.policy == "plex":
+            worker = self._pack(fitting, state_bytes, base, now)
+        else:  # fewest jobs first; ties go to the worker that joined first (dicts keep insertion order)
+            worker = min(fitting, key=lambda w: len(w.jobs))
         worker.jobs.add(job_id)
         # A new job's state starts on the device if it fits there, else in host memory.
         fits = worker.used_bytes + state_bytes <= worker.memory_bytes
         state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
-        self._jobs[job_id] = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0)
+        self._jobs[job_id] = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
         if fits:
             worker.used_bytes += state_bytes
         self.ledger.job_opened(job_id, now)
         return [Place(job_id, worker.worker_id)]
+
+    def _pack(self, fitting: list[_Worker], state_bytes: int, base: str, now: float) -> _Worker:
+        """Plex placement: fill devices instead of spreading jobs thin. Among workers with room
+        (expected busy fraction and device memory): the fullest whose jobs share this job's base
+        model (their generates batch together), else an empty one, else the fullest; with room
+        nowhere, the least loaded."""
+        loads = {w.worker_id: sum(self._load(j, now) for j in w.jobs) for w in fitting}
+        room = [
+            w
+            for w in fitting
+            if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.memory_bytes
+        ]
+        if not room:
+            return min(fitting, key=lambda w: loads[w.worker_id])
+        same_base = {w.worker_id for w in room if base and any(self._jobs[j].base == base for j in w.jobs)}
+        if same_base:  # the fullest of them
+            return min((w for w in room if w.worker_id in same_base), key=lambda w: -loads[w.worker_id])
+        empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base
+        return empty[0] if empty else min(room, key=lambda w: -loads[w.worker_id])
+
+    def _load(self, job_id: str, now: float) -> float:
+        """The busy fraction a job needs of its device: observed once it has run a while."""
+        usage = self.ledger.jobs.get(job_id)
+        if usage is None or usage.wall_s(now) < OBSERVE_S:
+            return NEW_JOB_LOAD
+        return self.ledger.accelerator_s(job_id, now) / usage.wall_s(now)
 
     def _resize(self, job_id: str, state_bytes: int) -> str | None:
         job = self._jobs.get(job_id)
@@ -387,9 +420,9 @@ class Scheduler:
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
         ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
-        if self.policy == "plex":
+        if len(ready) > 1 and self.policy == "plex":
             ready.sort(key=lambda j: self._plex_rank(j, now))
-        else:
+        elif len(ready) > 1:
             ready.sort(key=lambda j: j.queue[0])
         for job in ready:
             call = self._calls[job.queue[0]]

@@ -1,17 +1,22 @@
 """The coordinator's scheduler on virtual time: workload models in place of workers and clients.
 
 ``Simulation`` feeds the *same* ``Scheduler`` object the coordinator uses the events a real
-cluster would produce (workers join, jobs open, calls are submitted and finish) and carries out
-its actions on a virtual clock: a ``Dispatch`` finishes after the call's modelled duration. Each
-job runs its ``JobModel`` program, one call at a time as a GRPO script does. A device runs one
-call at a time (workers join with one slot) and holds ``memory_bytes`` of jobs' state; a ``Swap``
-moves a job's state at ``swap_bytes_per_s`` beside the running call (a side stream) and answers
-with ``SwapDone``. A ``Tick`` every ``tick_s`` lets waiting jobs hit their starvation bound.
-Deterministic for a given seed.
+cluster would produce (workers join, jobs open, calls are submitted and finish, state moves)
+and carries out its actions on a virtual clock. Each job runs its ``JobModel`` program, one call
+at a time as a GRPO script does; tool waits pass off the accelerator.
 
-Device-hours are what a user pays for: a device is held from the first call it runs until the
-last call it runs finishes. Under ``dedicated`` that is each job's wall time; when jobs share
-devices it is the devices' common span.
+A device runs up to ``slots`` calls at once and shares itself between them: all running
+generate calls form one decode batch (a decode round advances each by one step and costs the
+shared weight reads once per base model plus every call's own part), and the batch and each
+other call split the device's time equally. Alone, every call takes exactly its modelled time.
+A ``Swap`` moves a job's state at ``swap_bytes_per_s`` beside the running calls (a side stream)
+and answers with ``SwapDone``. A ``Tick`` every ``tick_s`` lets waiting jobs hit their
+starvation bound. Deterministic for a given seed.
+
+Device-hours are what a cluster pays for: a device is held from the first call it runs until
+the last call it runs finishes. Under ``dedicated`` that is each job's wall time; when jobs
+share devices it is the devices' common span. Per-job accelerator-seconds come from the
+scheduler's own ledger (``plexrl.coordinator.accounting``), as in ``plexrl status``.
 """
 
 from __future__ import annotations
@@ -25,16 +30,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plexrl.coordinator import scheduler as sch
-from plexrl.sim.workload import JobModel
+from plexrl.sim.workload import JobModel, Wait, Work, program
+
+_EPS = 1e-9
 
 
-@dataclass
+@dataclass(slots=True)
 class JobResult:
     name: str
     worker: str = ""
     started_s: float = 0.0
     finished_s: float | None = None  # None: did not finish (failed, or the run was cut short)
-    accelerator_s: float = 0.0  # seconds its calls ran
+    accelerator_s: float = 0.0  # its calls' device time (its share when batched) + its transitions
+    alone_s: float = 0.0  # what its calls would have taken alone on a device
     calls: int = 0
     error: str = ""
 
@@ -43,7 +51,7 @@ class JobResult:
         return (self.finished_s if self.finished_s is not None else float("nan")) - self.started_s
 
 
-@dataclass
+@dataclass(slots=True)
 class SimResult:
     policy: str
     jobs: list[JobResult]
@@ -52,6 +60,7 @@ class SimResult:
     end_s: float
     swaps: int = 0
     swap_s: float = 0.0
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)  # (device, job, start, end)
 
     @property
     def device_hours(self) -> float:
@@ -63,25 +72,48 @@ class SimResult:
         return sum(self.busy_s.values()) / held if held else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     model: JobModel
-    program: Iterator[tuple[str, str, float]]
+    program: Iterator[Work | Wait]
     result: JobResult
 
 
-@dataclass
-class _Worker:
+@dataclass(slots=True)
+class _Running:
+    call_id: int
+    job_id: str
+    work: Work
+    left: float  # decode steps (generate) or seconds (other calls) still to do
+    started_s: float
+
+
+@dataclass(slots=True)
+class _Device:
+    running: dict[int, _Running] = field(default_factory=dict)
+    since: float = 0.0  # progress of the running calls is settled up to here
+    version: int = 0  # bumps whenever the running set changes: stale completion events are ignored
+    completing: bool = False  # inside _complete, which reschedules once at its end
+    pace: dict[int, float] = field(default_factory=dict)  # rates() since the running set last changed
     busy_s: float = 0.0
     first_s: float | None = None
     last_s: float = 0.0
 
-
-@dataclass(order=True)
-class _Event:
-    t: float
-    seq: int
-    fire: Callable[[], None] = field(compare=False)
+    def rates(self) -> dict[int, float]:
+        """Progress per second of each running call (steps/s for generate, seconds/s otherwise)."""
+        if len(self.running) == 1:  # alone: its own modelled pace
+            (r,) = self.running.values()
+            step_s = r.work.own_step_s + r.work.shared_step_s
+            return {r.call_id: (1.0 / step_s if step_s > 0 else float("inf")) if r.work.kind == "generate" else 1.0}
+        gens = [r for r in self.running.values() if r.work.kind == "generate"]
+        parties = len(self.running) - len(gens) + (1 if gens else 0)
+        rates = {r.call_id: 1.0 / parties for r in self.running.values() if r.work.kind != "generate"}
+        if gens:
+            shared = {r.work.base or f"#{r.call_id}": r.work.shared_step_s for r in gens}
+            round_s = sum(shared.values()) + sum(r.work.own_step_s for r in gens)
+            for r in gens:
+                rates[r.call_id] = 1.0 / (parties * round_s) if round_s > 0 else float("inf")
+        return rates
 
 
 class Simulation:
@@ -92,47 +124,64 @@ class Simulation:
         jobs: list[JobModel],
         seed: int = 0,
         *,
+        slots: int = 1,
         memory_bytes: float = float("inf"),
         swap_bytes_per_s: float = 25e9,
         tick_s: float = 1.0,
+        record_timeline: bool = False,
     ) -> None:
         self.policy = policy
+        self.slots = slots
         self.memory_bytes, self.swap_bytes_per_s, self.tick_s = memory_bytes, swap_bytes_per_s, tick_s
+        self.record_timeline = record_timeline
         self._swaps, self._swap_s, self._left = 0, 0.0, 0
+        self._timeline: list[tuple[str, str, float, float]] = []
         self.scheduler = sch.Scheduler(policy)
         self.now = 0.0
-        self._events: list[_Event] = []
+        self._events: list[tuple[float, int, Callable[[], None]]] = []  # (time, tie-break, action)
         self._seq = itertools.count()
         self._call_ids = itertools.count(1)
-        self._workers = {f"w{i}": _Worker() for i in range(workers)}
+        self._devices = {f"w{i}": _Device() for i in range(workers)}
         self._jobs: dict[str, _Job] = {}
-        self._calls: dict[int, tuple[str, float]] = {}  # call id -> (job id, duration)
+        self._calls: dict[int, tuple[str, Work]] = {}  # submitted, not yet dispatched
         seeds = np.random.SeedSequence(seed).spawn(len(jobs))
         for i, (model, s) in enumerate(zip(jobs, seeds, strict=True)):
             job_id = f"{model.name}-{i}"
-            self._jobs[job_id] = _Job(model, _program(model, np.random.default_rng(s)), JobResult(model.name))
+            self._jobs[job_id] = _Job(model, program(model, np.random.default_rng(s)), JobResult(model.name))
 
     def run(self, until_s: float = float("inf")) -> SimResult:
-        for w in self._workers:
-            self._handle(sch.WorkerJoined(w, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s))
+        for w in self._devices:
+            joined = sch.WorkerJoined(
+                w, self.slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s
+            )
+            self._handle(joined)
+        self._left = len(self._jobs)
         for job_id, job in self._jobs.items():
-            self._handle(sch.JobOpened(job_id, job.model.state_bytes))
-        self._left = sum(1 for j in self._jobs.values() if not j.result.error)
+            self._at(job.model.arrival_s, functools.partial(self._open, job_id))
         if self.memory_bytes != float("inf"):
             self._at(self.tick_s, self._tick)
-        while self._events and self._events[0].t <= until_s:
-            event = heapq.heappop(self._events)
-            self.now = event.t
-            event.fire()
+        while self._events and self._events[0][0] <= until_s:
+            self.now, _, fire = heapq.heappop(self._events)
+            fire()
+        ledger = self.scheduler.ledger
+        for job_id, job in self._jobs.items():
+            job.result.accelerator_s = ledger.accelerator_s(job_id, self.now)
         return SimResult(
             policy=self.policy,
             jobs=[j.result for j in self._jobs.values()],
-            busy_s={w: r.busy_s for w, r in self._workers.items()},
-            held_s={w: r.last_s - r.first_s for w, r in self._workers.items() if r.first_s is not None},
+            busy_s={w: d.busy_s for w, d in self._devices.items()},
+            held_s={w: d.last_s - d.first_s for w, d in self._devices.items() if d.first_s is not None},
             end_s=self.now,
             swaps=self._swaps,
             swap_s=self._swap_s,
+            timeline=self._timeline,
         )
+
+    def _open(self, job_id: str) -> None:
+        job = self._jobs[job_id]
+        self._handle(sch.JobOpened(job_id, job.model.state_bytes, base=job.model.base))
+        if job.result.error:
+            self._left -= 1
 
     def _tick(self) -> None:
         self._handle(sch.Tick())
@@ -159,7 +208,7 @@ class Simulation:
                     self._at(self.now + seconds, functools.partial(self._handle, sch.SwapDone(job_id, seconds)))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
-        heapq.heappush(self._events, _Event(t, next(self._seq), fire))
+        heapq.heappush(self._events, (t, next(self._seq), fire))
 
     def _advance(self, job_id: str) -> None:
         """Run the job's program up to its next call (tool waits pass on the virtual clock)."""
@@ -170,42 +219,62 @@ class Simulation:
             self._left -= 1
             self._handle(sch.JobClosed(job_id))
             return
-        what, kind, seconds = step
-        if what == "wait":
-            self._at(self.now + seconds, lambda: self._advance(job_id))
+        if isinstance(step, Wait):
+            self._at(self.now + step.seconds, lambda: self._advance(job_id))
             return
         call_id = next(self._call_ids)
-        self._calls[call_id] = (job_id, seconds)
-        self._handle(sch.CallSubmitted(call_id, job_id, kind))
+        self._calls[call_id] = (job_id, step)
+        self._handle(sch.CallSubmitted(call_id, job_id, step.kind))
+
+    # -- devices --------------------------------------------------------------------------------
 
     def _start(self, call_id: int, worker_id: str) -> None:
-        job_id, seconds = self._calls.pop(call_id)
-        worker = self._workers[worker_id]
-        if worker.first_s is None:
-            worker.first_s = self.now
+        job_id, work = self._calls.pop(call_id)
+        device = self._devices[worker_id]
+        self._settle(device)
+        if device.first_s is None:
+            device.first_s = self.now
+        left = float(work.steps) if work.kind == "generate" else work.seconds
+        device.running[call_id] = _Running(call_id, job_id, work, left, self.now)
         result = self._jobs[job_id].result
-        result.accelerator_s += seconds
         result.calls += 1
+        result.alone_s += work.alone_s
+        if not device.completing:
+            self._reschedule(worker_id, device)
 
-        def finish() -> None:
-            worker.busy_s += seconds
-            worker.last_s = self.now
-            self._handle(sch.CallFinished(call_id))
-            self._advance(job_id)
+    def _settle(self, device: _Device) -> None:
+        dt = self.now - device.since
+        if dt > 0 and device.running:
+            device.busy_s += dt
+            for call_id, rate in device.pace.items():
+                device.running[call_id].left -= rate * dt
+        device.since = self.now
 
-        self._at(self.now + seconds, finish)
+    def _reschedule(self, worker_id: str, device: _Device) -> None:
+        device.version += 1
+        device.pace = rates = device.rates() if device.running else {}
+        if not rates:
+            return
+        soonest = min(max(0.0, r.left) / rates[r.call_id] for r in device.running.values())
+        self._at(self.now + soonest, functools.partial(self._complete, worker_id, device.version))
 
-
-def _program(model: JobModel, rng: np.random.Generator) -> Iterator[tuple[str, str, float]]:
-    """The job's calls and tool waits: ("call", kind, seconds) or ("wait", "tool", seconds)."""
-    for _ in range(model.steps):
-        tokens = 0
-        for turn in range(model.turns):
-            if turn:
-                yield ("wait", "tool", model.tool_s(rng))
-            seconds, produced = model.generate_s(rng)
-            tokens += produced
-            yield ("call", "generate", seconds)
-        yield ("call", "forward_backward", tokens * model.train_s_per_token)
-        yield ("call", "optim_step", model.optim_step_s)
-        yield ("call", "sync_weights", model.sync_s)
+    def _complete(self, worker_id: str, version: int) -> None:
+        device = self._devices[worker_id]
+        if version != device.version:
+            return  # the running set changed since this completion was scheduled
+        self._settle(device)
+        done = [r for r in device.running.values() if r.left <= _EPS * max(1.0, r.work.alone_s)]
+        if not done:  # rounding: the soonest call is a hair short of done
+            done = [min(device.running.values(), key=lambda r: r.left)]
+        for r in done:
+            del device.running[r.call_id]
+        device.last_s = self.now
+        device.version += 1
+        device.completing = True
+        for r in done:
+            if self.record_timeline:
+                self._timeline.append((worker_id, r.job_id, r.started_s, self.now))
+            self._handle(sch.CallFinished(r.call_id))
+            self._advance(r.job_id)
+        device.completing = False
+        self._reschedule(worker_id, device)

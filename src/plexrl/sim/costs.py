@@ -1,0 +1,125 @@
+"""Cost models of LoRA GRPO jobs on a datacenter GPU, from the roofline (for ``plexrl.sim``).
+
+Decode is memory-bound: a decode step reads the base weights once (shared by every same-base
+sequence batched with it: multi-LoRA sampling) plus the KV cache of the sequences still
+decoding. Training is compute-bound: ``6 * params`` FLOPs per token (forward, backward through
+the activations, and the recomputed forward of activation checkpointing) at a stated MFU.
+Between calls a LoRA job's state is its adapter, its gradients and two AdamW moments (fp32);
+the KV cache lives only while a generate call runs. Every efficiency below is an assumption,
+stated here; ``bench/multiplex.py`` checks the simulator against the real worker on this
+machine's workload before using these models (docs/architecture.md, "Calibration").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plexrl.sim.workload import JobModel, Lognormal
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+    memory_bytes: float
+    host_bytes_per_s: float  # pinned host <-> device copies
+    decode_efficiency: float = 0.6  # achieved fraction of HBM bandwidth while decoding
+    train_mfu: float = 0.4  # achieved fraction of bf16 FLOPs while training
+
+
+H200 = Gpu("H200", hbm_bytes_per_s=4.8e12, bf16_flops=989e12, memory_bytes=141e9, host_bytes_per_s=50e9)
+
+
+@dataclass(frozen=True)
+class Llm:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2 * self.params  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+    def lora_params(self, rank: int) -> float:
+        """A rank-``rank`` adapter on every linear layer (attention q, k, v, o and the MLP)."""
+        q = self.hidden
+        kv = self.kv_heads * self.head_dim
+        dims = [
+            (q, q),
+            (q, kv),
+            (q, kv),
+            (q, q),
+            (q, self.intermediate),
+            (q, self.intermediate),
+            (self.intermediate, q),
+        ]
+        return self.layers * rank * sum(a + b for a, b in dims)
+
+
+# Qwen3 dense models' shapes (their published configs).
+QWEN3 = {
+    "1.7B": Llm("qwen3-1.7b", 1.7e9, layers=28, kv_heads=8, head_dim=128, hidden=2048, intermediate=6144),
+    "4B": Llm("qwen3-4b", 4.0e9, layers=36, kv_heads=8, head_dim=128, hidden=2560, intermediate=9728),
+    "8B": Llm("qwen3-8b", 8.2e9, layers=36, kv_heads=8, head_dim=128, hidden=4096, intermediate=12288),
+}
+
+
+AGENT_OUTPUT_TOKENS = Lognormal(400.0, 0.9)  # per turn: median 400 tokens, p99 ~3,200
+AGENT_TOOL_LATENCY_S = Lognormal(8.0, 1.0)  # code runs and searches: median 8 s, p99 ~80 s
+
+
+def active_fraction(output_tokens: Lognormal, rollouts: int) -> float:
+    """Of a generate call's decode steps, the mean fraction of its sequences still decoding:
+    mean length over the expected longest one (the long tail leaves the batch mostly empty)."""
+    mean = output_tokens.median * math.exp(output_tokens.sigma**2 / 2)
+    z = math.sqrt(2 * math.log(rollouts)) if rollouts > 1 else 0.0  # ~ the max of ``rollouts`` normals
+    longest = output_tokens.median * math.exp(output_tokens.sigma * z)
+    return min(1.0, mean / longest)
+
+
+def grpo_job(
+    name: str,
+    llm: Llm,
+    gpu: Gpu = H200,
+    *,
+    steps: int = 20,
+    rollouts: int = 64,
+    turns: int = 3,
+    prompt_tokens: int = 1024,
+    output_tokens: Lognormal = AGENT_OUTPUT_TOKENS,
+    tool_latency_s: Lognormal = AGENT_TOOL_LATENCY_S,
+    lora_rank: int = 64,
+    arrival_s: float = 0.0,
+) -> JobModel:
+    """An agentic LoRA GRPO job on ``llm``: ``turns`` generate + tool rounds per step."""
+    mean_out = output_tokens.median * math.exp(output_tokens.sigma**2 / 2)
+    context = prompt_tokens + mean_out * turns / 2  # mean context while decoding, over the turns
+    kv_step = active_fraction(output_tokens, rollouts) * rollouts * context * llm.kv_bytes_per_token
+    bandwidth = gpu.hbm_bytes_per_s * gpu.decode_efficiency
+    decode_step_s = (llm.weight_bytes + kv_step) / bandwidth
+    return JobModel(
+        name=name,
+        steps=steps,
+        rollouts=rollouts,
+        turns=turns,
+        output_tokens=output_tokens,
+        decode_step_s=decode_step_s,
+        shared_step_fraction=llm.weight_bytes / (llm.weight_bytes + kv_step),
+        tool_latency_s=tool_latency_s,
+        train_s_per_token=6 * llm.params / (gpu.bf16_flops * gpu.train_mfu),
+        optim_step_s=16 * llm.lora_params(lora_rank) / bandwidth,  # AdamW: read/write fp32 state
+        sync_s=4 * llm.lora_params(lora_rank) / bandwidth,  # adapter copy into the sampler
+        state_bytes=int(16 * llm.lora_params(lora_rank)),  # fp32 adapter, gradients, two moments
+        base=llm.name,
+        arrival_s=arrival_s,
+    )
