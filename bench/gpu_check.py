@@ -6,6 +6,9 @@ Builds its own model from a config (a Qwen2 of about 1B parameters with random b
 then measures and prints one table:
 
 - pinned and pageable host <-> device copy bandwidth (GB/s), 1 GiB each way;
+- residency: a LoRA job's and a full fine-tune job's state (weights, gradients, AdamW moments,
+  sampler copy) moved to the host store and back by the worker's ``Mover`` (pinned buffers, a
+  side stream), seconds and GB/s each way, checked bit-identical after the round trip;
 - with vLLM installed: engine start, multi-LoRA generation tokens/s with 1, 8 and 32 adapters
   (each a different job's rank-16 adapter, all requests in flight together), sleep and wake
   time per level (1 and 2; partial wake ``weights`` then ``kv_cache``), and the refit time of a
@@ -90,6 +93,39 @@ def copy_bandwidth(device: str, gib: float) -> None:
             fn()
             seconds = min(timed(fn)[0] for _ in range(5))
             row(f"{kind} {direction} copy, {gib:g} GiB", n / seconds / 1e9, "GB/s")
+
+
+def residency(model_dir: Path, device: str) -> None:
+    """The worker's state transitions on this device, timed, on real jobs that have stepped."""
+    from plexrl.protocol.calls import Close, ForwardBackward, JobSpec, Open, OptimStep
+    from plexrl.types import AdamW, Batch, LoRA, Ragged
+    from plexrl.worker.engine import Engine
+    from plexrl.worker.memory import state_refs
+
+    engine = Engine(device=device, sampler="hf")
+    try:
+        rows = Ragged.from_rows([list(range(3, 3 + 64))] * 4, "int32")
+        batch = Batch(tokens=rows, prompt_lens_B=np.full(4, 8, np.int32))
+        for job, lora in (("lora", LoRA(rank=16)), ("full", None)):
+            engine.execute(job, Open(JobSpec(model=str(model_dir), lora=lora, optimizer=AdamW(lr=1e-4))))
+            engine.execute(job, ForwardBackward(batch=batch, loss="cross_entropy"))
+            engine.execute(job, OptimStep())
+            engine.execute(job, ForwardBackward(batch=batch, loss="cross_entropy"))  # gradients pending too
+            before = {
+                k: r.get().detach().clone() for k, r in state_refs(engine._jobs[job]).items() if r.get() is not None
+            }
+            for _ in range(2):  # the second round is the one reported (allocator warm)
+                out, back = engine.move(job, "host"), engine.move(job, "device")
+            after = {k: r.get() for k, r in state_refs(engine._jobs[job]).items() if r.get() is not None}
+            same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+            gb = out.bytes / 1e9
+            row(f"{job} job state {gb:.2f} GB to host", out.seconds, f"s ({gb / out.seconds:.1f} GB/s)")
+            row(f"{job} job state {gb:.2f} GB to device", back.seconds, f"s ({gb / back.seconds:.1f} GB/s)")
+            row(f"{job} job state bit-identical after the round trip", str(same))
+            del before, after
+            engine.execute(job, Close())
+    finally:
+        engine.close()
 
 
 def random_adapter(hidden_params: dict[str, tuple[int, int]], rank: int, seed: int) -> dict[str, torch.Tensor]:
@@ -248,6 +284,7 @@ def main() -> None:
         )
         row(f"build + save a {params / 1e9:.2f}B-parameter model", seconds, "s")
         copy_bandwidth(args.device, args.copy_gib)
+        residency(model_dir, args.device)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 32000, size=int(rng.integers(32, 128))).tolist() for _ in range(args.prompts)]
         from plexrl.worker.sampler import vllm

@@ -45,13 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="tcp://127.0.0.1:7400", help="endpoint to listen on (port 0 = any free port)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
-    p.add_argument(
-        "--policy",
-        default="fifo",
-        choices=["fifo", "dedicated", "plex"],
-        help="scheduling policy: fifo (share workers, oldest call first), dedicated (one job per worker), "
-        "plex (multiplex jobs: resident state first, fair share, swaps only when they pay)",
-    )
+    _policy(p)
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     _common(p)
 
@@ -59,12 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
-    p.add_argument(
-        "--memory-budget",
-        type=parse_bytes,
-        default=8 << 30,
-        help="device memory jobs' state may use, e.g. 80GiB, 512MiB, 2e6 (declared on CPU; default 8GiB)",
-    )
+    _memory_budget(p, default=8 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--sampler",
@@ -84,12 +73,33 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("local", help="run an embedded coordinator and workers until Ctrl-C")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", type=_device, default="cpu")
+    _policy(p)
+    _memory_budget(p, default=None)
     p.add_argument("--log-level", default="WARNING")
 
     p = sub.add_parser("status", help="show a coordinator's workers and jobs")
     p.add_argument("--coordinator", required=True)
 
     return parser
+
+
+def _policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy",
+        default="fifo",
+        choices=["fifo", "dedicated", "plex"],
+        help="scheduling policy: fifo (share workers, oldest call first), dedicated (one job per worker), "
+        "plex (multiplex jobs: pack devices, resident state first, fair share, swaps only when they pay)",
+    )
+
+
+def _memory_budget(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=default,
+        help="device memory jobs' state may use, e.g. 80GiB, 512MiB, 2e6 (declared on CPU; default 8GiB)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +167,14 @@ def _worker(args: argparse.Namespace) -> int:
 async def _local(args: argparse.Namespace) -> int:
     from plexrl.client.local import LocalCluster
 
-    async with LocalCluster(args.workers, device=args.device, log_level=args.log_level) as cluster_client:
+    cluster = LocalCluster(
+        args.workers,
+        device=args.device,
+        log_level=args.log_level,
+        policy=args.policy,
+        memory_budget_bytes=args.memory_budget,
+    )
+    async with cluster as cluster_client:
         print(
             f"plexrl embedded cluster with {args.workers} worker(s) at {cluster_client.address}; Ctrl-C to stop",
             flush=True,

@@ -110,6 +110,17 @@ async def test_status_reports_workers_and_open_jobs(cluster: Client, tiny_model:
         assert [w.name for w in status.workers] == ["local-0"]
         (info,) = [j for j in status.jobs if j.job_id == job.job_id]
         assert info.state == "open" and info.worker_id == status.workers[0].worker_id
+        await job.generate(PROMPTS, GREEDY)
+        stats = await job.stats()
+        assert stats.tier == "device" and stats.state_bytes > 0 and stats.calls_done == 2  # open, generate
+        assert 0 < stats.accelerator_s < stats.wall_s and stats.swaps == 0
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plexrl", "status", "--coordinator", cluster.address, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(cli.communicate(), timeout=60)
+        assert cli.returncode == 0
+        row = next(line for line in out.decode().splitlines() if line.startswith(job.job_id))
+        assert row.split()[1:4] == [info.worker_id, "open", "device"]
     assert job.job_id not in [j.job_id for j in (await cluster.status()).jobs]
 
 

@@ -171,6 +171,22 @@ def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[
             engine.execute("full", Close())
 
 
+def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(engines: tuple[Engine, Engine]) -> None:
+    """Residency on a vLLM worker: the trainer state moves (vLLM keeps the adapter it serves), and
+    moving it out and in between steps changes nothing the job sees."""
+    vllm, _ = engines
+    prompts = _prompts("5+6=", "9*9=")
+    vllm.move("add", "host")
+    before = vllm.execute("add", Generate(prompts=prompts, params=GREEDY))  # moves the state back in first
+    assert isinstance(before, Generated) and vllm._jobs["add"].host_state is None
+    _train(engines, {"add": "5+6=11"})  # both engines step; the vLLM one just came back from the host
+    vllm.move("add", "host")
+    vllm.move("add", "device")
+    out_v, out_h = _both(engines, {"add": Generate(prompts=prompts, params=GREEDY)})
+    _assert_same(out_v["add"], out_h["add"])
+    assert out_v["add"].weight_version == before.weight_version + 1
+
+
 def test_sleep_on_cpu_pauses_sampling_and_wake_resumes_it(engines: tuple[Engine, Engine]) -> None:
     """The CPU fallback for vLLM's sleep levels: scheduling pauses with requests kept in place."""
     import time

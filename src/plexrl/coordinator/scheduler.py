@@ -335,7 +335,7 @@ class Scheduler:
         ]
         if not room:
             return min(fitting, key=lambda w: loads[w.worker_id])
-        same_base = {w.worker_id for w in room if base and any(self._jobs[j].base == base for j in w.jobs)}
+        same_base = {w.worker_id for w in room if any(self._jobs[j].base == base for j in w.jobs)}
         if same_base:  # the fullest of them
             return min((w for w in room if w.worker_id in same_base), key=lambda w: -loads[w.worker_id])
         empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base

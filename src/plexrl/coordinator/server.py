@@ -264,7 +264,8 @@ class Coordinator:
         if not msg.weight > 0:
             raise InvalidRequestError(f"job weight {msg.weight} must be > 0 (1.0 is an equal share)")
         # Its state's size is known once the worker opened it (JobSized).
-        for action in self._scheduler.handle(sch.JobOpened(job_id, weight=msg.weight), self._now()):
+        opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model)
+        for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id)
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
