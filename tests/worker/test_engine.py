@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from plexrl.errors import (
@@ -51,14 +49,7 @@ FAST = AdamW(lr=1e-2)
 R = TypeVar("R")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # The tiny model gains nothing from intra-op threads, and OpenMP threads competing with other
-    # processes for this machine's 2 cores made single ops 100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from test_engine import (  # the engine tests' helpers (pytest puts tests/worker on sys.path)
     assert_same_weights,
     ce_batch,
@@ -24,13 +22,7 @@ from plexrl.protocol.calls import Close, ForwardBackward, Open, Opened, OptimSte
 from plexrl.worker.engine import Engine
 from plexrl.worker.memory import DEVICE, HOST, planned_state_bytes, state_refs
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def snapshot(engine: Engine, job_id: str) -> dict[str, np.ndarray]:
