@@ -27,6 +27,7 @@ __all__ = [
     "PlexError",
     "ProtocolVersionError",
     "SamplerUnavailableError",
+    "StaleSamplesError",
     "UnknownJobError",
     "WorkerLostError",
     "from_wire",
@@ -87,6 +88,13 @@ class InvalidSamplingParamsError(InvalidRequestError):
 
 class BatchShapeError(InvalidRequestError):
     code = "batch_shape"
+
+
+class StaleSamplesError(InvalidRequestError):
+    """A batch holds samples made by other weights than the trainer's current version: training on
+    them would be off-policy. Sample with the current weights (after ``sync_weights``)."""
+
+    code = "stale_samples"
 
 
 class NoJobContextError(PlexError, RuntimeError):

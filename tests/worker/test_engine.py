@@ -16,6 +16,7 @@ from plexrl.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     ModelNotFoundError,
+    StaleSamplesError,
     UnknownJobError,
 )
 from plexrl.protocol.calls import (
@@ -554,3 +555,20 @@ def test_bad_input_gets_a_typed_error_and_changes_nothing(
     with pytest.raises(CallFailedError, match="no accumulated gradients"):
         engine.execute("a", OptimStep())  # a rejected forward_backward accumulated nothing
     assert generate(engine, "a").weight_version == 0
+
+
+def test_training_on_samples_of_other_weights_is_refused_and_accumulates_nothing(
+    engine: Engine, tiny_model: Path
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    stale = grpo_batch(engine, "a")  # sampled by version 0
+    run(engine, "a", ForwardBackward(stale, loss="grpo"), ForwardBackwardResult)  # on-policy: fine
+    engine.execute("a", OptimStep())
+    engine.execute("a", SyncWeights())  # the trainer is at version 1 now
+    with pytest.raises(StaleSamplesError, match=r"version\(s\) \[0\].*version 1"):
+        engine.execute("a", ForwardBackward(stale, loss="grpo"))
+    with pytest.raises(CallFailedError, match="no accumulated gradients"):
+        engine.execute("a", OptimStep())
+    fresh = grpo_batch(engine, "a")
+    assert set(fresh.weight_versions_B.tolist()) == {1}  # type: ignore[union-attr]
+    run(engine, "a", ForwardBackward(fresh, loss="grpo"), ForwardBackwardResult)

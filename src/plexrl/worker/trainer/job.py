@@ -21,7 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from plexrl.errors import BatchShapeError, CallFailedError, InvalidRequestError, InvalidSamplingParamsError
+from plexrl.errors import (
+    BatchShapeError,
+    CallFailedError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    StaleSamplesError,
+)
 from plexrl.protocol.calls import (
     Closed,
     ForwardBackwardResult,
@@ -166,6 +172,7 @@ class Job:
         batch.validate(loss)
         check_loss_config(config)
         self.base.check_tokens(batch.tokens, "batch.tokens", min_len=2)
+        self._check_on_policy(batch)
         if batch.sampler_logprobs is not None and not np.all(np.isfinite(batch.sampler_logprobs.values)):
             raise BatchShapeError("sampler_logprobs contains NaN or inf; pass the sampler's finite logprobs")
         tokens_B_T, valid_B_T = self._pad_right(batch.tokens)
@@ -194,6 +201,18 @@ class Job:
         out.loss_sum.backward()
         self.pending_tokens += out.num_tokens
         return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=out.metrics)
+
+    def _check_on_policy(self, batch: Batch) -> None:
+        """Every row sampled by the weights the trainer holds now (version ``weight_version``)."""
+        versions = batch.weight_versions_B
+        if versions is None or not len(versions) or bool(np.all(versions == self.weight_version)):
+            return
+        stale = sorted({int(v) for v in versions if v != self.weight_version})
+        raise StaleSamplesError(
+            f"the batch holds samples of weight version(s) {stale}, but the trainer is at version "
+            f"{self.weight_version}: on-policy training needs samples of the current weights "
+            "(generate after sync_weights), or drop weight_versions_B to train off-policy on purpose"
+        )
 
     def optim_step(self) -> OptimStepResult:
         if self.pending_tokens == 0:
