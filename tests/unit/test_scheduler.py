@@ -267,6 +267,55 @@ def test_batched_time_is_shared_between_the_calls_that_ran_together() -> None:
     assert s.busy_s("w0", 9.0) == pytest.approx(5.0)
 
 
+def test_generates_and_training_run_in_lanes_of_their_own_and_barriers_wait_for_both() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", slots=4), 0.0)
+    s.handle(JobOpened("a"), 0.0)
+    steps = [
+        (CallSubmitted(1, "a", "generate"), [Dispatch(1, "w0")]),
+        (CallSubmitted(2, "a", "generate"), [Dispatch(2, "w0")]),  # generates overlap
+        (CallSubmitted(3, "a", "forward_backward"), [Dispatch(3, "w0")]),  # training beside sampling
+        (CallSubmitted(4, "a", "optim_step"), []),  # one trainer-lane call at a time
+        (CallSubmitted(5, "a", "sync_weights"), []),
+        (CallSubmitted(6, "a", "generate"), []),  # not before the new weights
+        (CallFinished(3), [Dispatch(4, "w0")]),
+        (CallFinished(4), []),  # the sync waits for the generates that use the old weights
+        (CallFinished(1), []),
+        (CallFinished(2), [Dispatch(5, "w0")]),
+        (CallFinished(5), [Dispatch(6, "w0")]),
+    ]
+    for t, (event, expected) in enumerate(steps):
+        assert s.handle(event, float(t)) == expected, event
+
+
+def test_frontier_generates_are_admitted_first() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", slots=1), 0.0)
+    s.handle(JobOpened("a"), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.0) == [Dispatch(1, "w0")]
+    s.handle(CallSubmitted(2, "a", "generate", priority=1), 0.0)  # backfill
+    s.handle(CallSubmitted(3, "a", "generate", priority=0), 0.0)  # a frontier group
+    assert s.handle(CallFinished(1), 1.0) == [Dispatch(3, "w0", 0)]
+    assert s.handle(CallFinished(3), 2.0) == [Dispatch(2, "w0", 1)]
+
+
+def test_a_disaggregated_job_samples_on_another_worker_and_syncs_across_both() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0"), 0.0)
+    assert s.handle(JobOpened("solo", disaggregated=True), 0.0)[0].error.code == "no_workers"  # type: ignore[union-attr]
+    s.handle(WorkerJoined("w1"), 0.0)
+    assert s.handle(JobOpened("a", disaggregated=True), 0.0) == [Place("a", "w0", "w1")]
+    assert s.handle(CallSubmitted(1, "a", "generate"), 1.0) == [Dispatch(1, "w1")]
+    assert s.handle(CallSubmitted(2, "a", "forward_backward"), 1.0) == [Dispatch(2, "w0")]
+    assert s.handle(CallSubmitted(3, "a", "sync_weights"), 1.0) == []
+    assert s.handle(CallSubmitted(4, "a", "generate"), 1.0) == []
+    assert s.handle(CallFinished(2), 2.0) == []  # the generate on w1 still uses the old weights
+    assert s.handle(CallFinished(1), 3.0) == [Dispatch(3, "w0")]  # w1's event starts w0's barrier
+    assert s.handle(CallFinished(3), 4.0) == [Dispatch(4, "w1")]
+    lost = s.handle(WorkerLost("w1", "test"), 5.0)  # its sampler worker gone: the job is lost
+    assert [(type(a), a.call_id) for a in lost] == [(Fail, 4)]  # type: ignore[union-attr]
+
+
 def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) -> bool:
     """Plex's rule for moving ``swap.job_id`` out: its expected idle gap exceeds moving it out and
     back (break-even), or a job waiting on that worker has hit its starvation bound."""
@@ -285,14 +334,15 @@ def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) 
 
 UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
 BPS = UNIT / 10  # a unit moves in 10 s: break-even gaps of 20-40 s, near the gaps these sequences make
+KINDS = ("generate", "generate", "generate", "forward_backward", "optim_step", "sync_weights", "load")
 _submit, _finish, _moved = (
-    st.tuples(st.just("submit"), st.integers(0, 9)),
+    st.tuples(st.just("submit"), st.integers(0, 10 * len(KINDS) - 1)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
     st.tuples(st.just("moved"), st.integers(0, 9)),
 )
 op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
     st.tuples(st.just("join"), st.integers(1, 3)),
-    st.tuples(st.just("open"), st.integers(0, 2)),
+    st.tuples(st.just("open"), st.integers(0, 5)),  # size 0-2 units; 3-5: disaggregated
     _submit,
     _submit,
     _submit,
@@ -320,6 +370,8 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     running: dict[int, tuple[str, str]] = {}  # call -> (job, worker)
     outcome: dict[int, str] = {}  # call -> "dispatched" | "failed" | "cancelled"
     submitted: dict[str, list[int]] = {}
+    kinds: dict[int, str] = {}  # call -> kind
+    samplers: dict[str, str] = {}  # job -> the worker its generates run on
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
     def check(actions: list) -> None:
@@ -329,17 +381,30 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 if policy == "dedicated":  # (no job closes in these sequences)
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker"
                 homes[a.job_id] = a.worker_id
+                samplers[a.job_id] = a.sampler_id or a.worker_id
+                assert a.sampler_id in ("", *workers) and a.sampler_id != a.worker_id
                 fits = device.get(a.worker_id, 0) + sizes[a.job_id] <= workers[a.worker_id][1]
                 resident[a.job_id] = fits
                 device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
             elif isinstance(a, Dispatch):
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
+                kind = kinds[a.call_id]
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once"
-                assert homes[job] == a.worker_id, "affinity: calls run on their job's home worker"
-                assert resident[job], "a call runs only with its job's state on the device"
-                assert all(j != job for j, _ in running.values()), "one call per job at a time"
+                on_home = kind != "generate" or samplers[job] == homes[job]
+                assert a.worker_id == (homes[job] if on_home else samplers[job]), "affinity: each lane on its worker"
+                assert resident[job] or not on_home, "a call on the home worker runs only with the state there"
                 earlier = [c for c in submitted[job] if c < a.call_id]
-                assert all(c in outcome for c in earlier), "a job's calls start in submission order"
+                settled = [c in outcome and c not in running for c in earlier]
+                if kind in ("sync_weights", "load"):
+                    assert all(settled), "a barrier waits for every earlier call of its job"
+                else:
+                    assert all(
+                        ok for c, ok in zip(earlier, settled, strict=True) if kinds[c] in ("sync_weights", "load")
+                    ), "no call passes an unfinished barrier"
+                if kind != "generate":
+                    others = [c for c, (j, _) in running.items() if j == job and kinds[c] != "generate"]
+                    assert not others, "one trainer-lane call per job at a time"
+                    assert all(c in outcome for c in earlier if kinds[c] != "generate"), "trainer lane in order"
                 outcome[a.call_id] = "dispatched"
                 running[a.call_id] = (job, a.worker_id)
             elif isinstance(a, Swap):
@@ -349,7 +414,9 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                         "plex moved state out that neither pays nor unblocks a starving job"
                     )
                 assert homes[a.job_id] == a.worker_id
-                assert all(j != a.job_id for j, _ in running.values()), "never move a running job's state"
+                assert all(j != a.job_id or w != a.worker_id for j, w in running.values()), (
+                    "never move the state of a job with a call running on that worker"
+                )
                 moving[a.worker_id] = (a.job_id, a.to)
                 if a.to == "device":
                     device[a.worker_id] += sizes[a.job_id]
@@ -381,14 +448,15 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
         elif kind == "open":
             j = f"j{n_jobs}"
             n_jobs += 1
-            submitted[j], sizes[j] = [], arg * UNIT
-            check(s.handle(JobOpened(j, arg * UNIT), t))
+            submitted[j], sizes[j] = [], (arg % 3) * UNIT
+            check(s.handle(JobOpened(j, sizes[j], disaggregated=arg >= 3), t))
         elif kind == "submit" and submitted:
             j = sorted(submitted)[arg % len(submitted)]
             if j not in homes:
                 continue
             submitted[j].append(next_call)
-            check(s.handle(CallSubmitted(next_call, j, "generate"), t))
+            kinds[next_call] = KINDS[arg // 10]
+            check(s.handle(CallSubmitted(next_call, j, kinds[next_call], priority=arg % 2), t))
             next_call += 1
         elif kind == "finish" and running:
             c = sorted(running)[arg % len(running)]

@@ -160,8 +160,11 @@ class Client:
     def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
         return self.request(m.Submit(job_id=job_id, call=call), expect_result(result_type))
 
-    async def open_job(self, name: str, spec: calls.JobSpec, weight: float = 1.0) -> tuple[str, calls.Opened]:
-        done: m.CallDone = await self.request(m.OpenJob(name=name, spec=spec, weight=weight), expect(m.CallDone))
+    async def open_job(
+        self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
+    ) -> tuple[str, calls.Opened]:
+        request = m.OpenJob(name=name, spec=spec, weight=weight, placement=placement)
+        done: m.CallDone = await self.request(request, expect(m.CallDone))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
         return done.job_id, done.result

@@ -123,12 +123,16 @@ async def job(
     optimizer: AdamW = AdamW(),
     seed: int = 0,
     weight: float = 1.0,
+    placement: str = "colocated",
     client: Client | None = None,
 ) -> AsyncIterator[Job]:
     """Open a job on the current client (``plexrl.local`` / ``plexrl.connect``), close it on exit.
 
     ``lora=None`` trains a full copy of the model instead of an adapter. ``weight`` is the job's
     share of accelerator time under the ``plex`` policy, relative to other jobs (2.0: twice).
+    ``placement="disaggregated"`` runs its generates on another worker than its training (a
+    replica of its sampler there, new weights pushed on every ``sync_weights``), so sampling and
+    training overlap; ``"colocated"`` (default) keeps both on one worker.
     """
     client = client or current_client.get()
     if client is None:
@@ -137,7 +141,7 @@ async def job(
         )
     model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
     spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed)
-    job_id, opened = await client.open_job(name, spec, weight)
+    job_id, opened = await client.open_job(name, spec, weight, placement)
     handle = Job(client, job_id, name, spec, opened)
     token = current_job.set(handle)
     try:

@@ -5,7 +5,12 @@ object virtual events. Time (``now``) is an argument, ties are broken by submiss
 run replays exactly.
 
 Invariants it keeps, whatever the policy:
-- a job's calls run one at a time, in submission order, on the job's home worker (affinity);
+- a job's calls run in two lanes: ``generate`` in its sampler lane, every other kind in its trainer
+  lane, one call at a time and in submission order (generates may overlap, in priority order);
+  a barrier (``open``, ``close``, ``sync_weights``, ``load``: they change what the sampler
+  serves) waits for every earlier call of the job and holds back every later one;
+- trainer-lane calls run on the job's home worker (affinity); the sampler lane runs there too,
+  or, for a disaggregated job, on its sampler worker;
 - a worker runs at most ``slots`` calls at once;
 - every submitted call ends in exactly one ``Dispatch`` followed by the server's
   ``CallFinished``, or in one ``Fail``.
@@ -14,7 +19,6 @@ Invariants it keeps, whatever the policy:
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 from plexrl.coordinator import residency as rs
@@ -45,6 +49,7 @@ class JobOpened:
     state_bytes: int = 0  # what must be on the device for its calls to run
     weight: float = 1.0  # its share of accelerator time relative to other jobs (plex)
     base: str = ""  # its base model: plex places jobs on one base together (their generates batch)
+    disaggregated: bool = False  # its generates run on a sampler worker other than its home
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,7 @@ class CallSubmitted:
     call_id: int  # increasing in submission order
     job_id: str
     kind: str  # "generate", "forward_backward", ...
+    priority: int = 0  # generates: lower is admitted first (frontier groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +120,12 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """The job's trainer state lives on ``worker_id`` for the job's life."""
+    """The job's trainer state lives on ``worker_id`` for the job's life; its generates run on
+    ``sampler_id`` (the same worker unless the job is disaggregated)."""
 
     job_id: str
     worker_id: str
+    sampler_id: str = ""  # "" for a colocated job (its home)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +175,16 @@ class _Worker:
     used_bytes: int = 0  # state on the device or on its way there (or still leaving)
     moving: _Move | None = None  # the one transfer in flight on this worker
     running: set[int] = field(default_factory=set)
-    jobs: set[str] = field(default_factory=set)
+    jobs: set[str] = field(default_factory=set)  # jobs whose home it is
+    samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
+
+
+SAMPLER, TRAINER = "sampler", "trainer"
+BARRIERS = frozenset({"open", "close", "sync_weights", "load"})
+
+
+def lane_of(kind: str) -> str:
+    return SAMPLER if kind == "generate" else TRAINER
 
 
 @dataclass(slots=True)
@@ -177,9 +194,21 @@ class _Job:
     state: Residency
     weight: float = 1.0
     base: str = ""
-    queue: deque[int] = field(default_factory=deque)
-    running: int | None = None
+    sampler: str = ""  # the sampler lane's worker: home, or another worker when disaggregated
+    queues: dict[str, list[int]] = field(default_factory=lambda: {SAMPLER: [], TRAINER: []})
+    running: dict[str, set[int]] = field(default_factory=lambda: {SAMPLER: set(), TRAINER: set()})
+    barriers: set[int] = field(default_factory=set)  # unfinished barrier calls
+    unfinished: set[int] = field(default_factory=set)  # queued or running calls
     lost: str | None = None  # why the job's state is gone
+
+    def lanes_on(self, worker_id: str) -> list[str]:
+        return [lane for lane in (TRAINER, SAMPLER) if (self.home if lane == TRAINER else self.sampler) == worker_id]
+
+    def busy(self) -> bool:
+        return bool(self.unfinished)
+
+    def idle_on(self, worker_id: str) -> bool:
+        return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +216,11 @@ class _Call:
     call_id: int
     job_id: str
     kind: str
+    priority: int = 0
+
+    @property
+    def lane(self) -> str:
+        return lane_of(self.kind)
 
 
 # dedicated: one job per worker, the baseline users have today. fifo: jobs share workers, oldest
@@ -221,13 +255,17 @@ class Scheduler:
         job = self._jobs.get(job_id)
         return job.home if job else None
 
+    def sampler_of(self, job_id: str) -> str | None:
+        job = self._jobs.get(job_id)
+        return job.sampler if job else None
+
     def queued(self, job_id: str) -> int:
         job = self._jobs.get(job_id)
-        return len(job.queue) if job else 0
+        return sum(len(q) for q in job.queues.values()) if job else 0
 
     def is_running(self, job_id: str) -> bool:
         job = self._jobs.get(job_id)
-        return bool(job and job.running is not None)
+        return bool(job and any(job.running.values()))
 
     def has_waiting(self) -> bool:
         """Some job waits for its state to be moved in (a ``Tick`` may now matter)."""
@@ -253,26 +291,33 @@ class Scheduler:
         actions: list[Action] = []
         touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
         match event:  # the frequent events first
-            case CallSubmitted(call_id, job_id, kind):
-                actions += self._submit(_Call(call_id, job_id, kind), now)
-                touched = self.home_of(job_id)
+            case CallSubmitted(call_id, job_id, kind, priority):
+                call = _Call(call_id, job_id, kind, priority)
+                actions += self._submit(call, now)
+                touched = self._lane_worker(call)
             case CallFinished(call_id):
-                call = self._calls.get(call_id)
-                touched = self.home_of(call.job_id) if call is not None else None
+                done = self._calls.get(call_id)
+                touched = self._lane_worker(done) if done is not None else None
                 self._finish(call_id, now)
+                # A barrier's end (or any call's, before a barrier) may free the other lane too.
+                other = self._other_worker(done) if done is not None else None
+                if other is not None and other != touched and other in self._workers:
+                    actions += self._dispatch(self._workers[other], now)
             case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s):
                 self._workers[worker_id] = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id, state_bytes, weight, base):
-                actions += self._place(job_id, state_bytes, weight, base, now)
+            case JobOpened(job_id, state_bytes, weight, base, disaggregated):
+                actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
             case JobSized(job_id, state_bytes):
                 touched = self._resize(job_id, state_bytes)
             case JobClosed(job_id):
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
+                if job and job.sampler in self._workers:
+                    self._workers[job.sampler].samplers.discard(job_id)
                 if job and job.home in self._workers:
                     worker = self._workers[job.home]
                     worker.jobs.discard(job_id)
@@ -291,9 +336,17 @@ class Scheduler:
             actions += self._dispatch(self._workers[touched], now)
         return actions
 
-    def _place(self, job_id: str, state_bytes: int, weight: float, base: str, now: float) -> list[Action]:
+    def _place(
+        self, job_id: str, state_bytes: int, weight: float, base: str, disaggregated: bool, now: float
+    ) -> list[Action]:
         if not self._workers:
             err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
+            return [Fail(job_id, None, err)]
+        if disaggregated and len(self._workers) < 2:
+            err = NoWorkersError(
+                "a disaggregated job needs two workers (trainer and sampler): start another worker, "
+                "or open the job colocated"
+            )
             return [Fail(job_id, None, err)]
         fitting = [w for w in self._workers.values() if state_bytes <= w.memory_bytes]
         if not fitting:
@@ -316,11 +369,18 @@ class Scheduler:
         # A new job's state starts on the device if it fits there, else in host memory.
         fits = worker.used_bytes + state_bytes <= worker.memory_bytes
         state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
-        self._jobs[job_id] = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
+        sampler = worker
+        if disaggregated:  # the other worker with the fewest sampler lanes (then fewest jobs)
+            others = [w for w in self._workers.values() if w is not worker]
+            sampler = min(others, key=lambda w: (len(w.samplers), len(w.jobs)))
+            sampler.samplers.add(job_id)
+        job = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
+        job.sampler = sampler.worker_id
+        self._jobs[job_id] = job
         if fits:
             worker.used_bytes += state_bytes
         self.ledger.job_opened(job_id, now)
-        return [Place(job_id, worker.worker_id)]
+        return [Place(job_id, worker.worker_id, sampler.worker_id if disaggregated else "")]
 
     def _pack(self, fitting: list[_Worker], state_bytes: int, base: str, now: float) -> _Worker:
         """Plex placement: fill devices instead of spreading jobs thin. Among workers with room
@@ -364,10 +424,25 @@ class Scheduler:
         if job.lost is not None:
             return [Fail(call.job_id, call.call_id, WorkerLostError(job.lost))]
         self._calls[call.call_id] = call
-        if job.running is None and not job.queue and job.state.last_done_s is not None:
+        if not job.unfinished and job.state.last_done_s is not None:
             job.state.observe_gap(now - job.state.last_done_s)  # it was idle since its last call
-        job.queue.append(call.call_id)
+        job.queues[call.lane].append(call.call_id)
+        job.unfinished.add(call.call_id)
+        if call.kind in BARRIERS:
+            job.barriers.add(call.call_id)
         return []
+
+    def _lane_worker(self, call: _Call) -> str | None:
+        job = self._jobs.get(call.job_id)
+        if job is None:
+            return None
+        return job.sampler if call.lane == SAMPLER else job.home
+
+    def _other_worker(self, call: _Call) -> str | None:
+        job = self._jobs.get(call.job_id)
+        if job is None:
+            return None
+        return job.home if call.lane == SAMPLER else job.sampler
 
     def _finish(self, call_id: int, now: float) -> None:
         call = self._calls.pop(call_id, None)
@@ -376,9 +451,11 @@ class Scheduler:
         job = self._jobs.get(call.job_id)
         if job is None:
             return
-        job.running = None
+        job.running[call.lane].discard(call_id)
+        job.unfinished.discard(call_id)
+        job.barriers.discard(call_id)
         job.state.last_done_s = now
-        worker = self._workers.get(job.home)
+        worker = self._workers.get(job.sampler if call.lane == SAMPLER else job.home)
         if worker is not None:
             worker.running.discard(call_id)
             self.ledger.call_finished(worker.worker_id, job.job_id, now)
@@ -386,8 +463,10 @@ class Scheduler:
     def _cancel(self, call_id: int) -> None:
         call = self._calls.get(call_id)
         job = self._jobs.get(call.job_id) if call is not None else None
-        if job is not None and call_id in job.queue:
-            job.queue.remove(call_id)
+        if job is not None and call is not None and call_id in job.queues[call.lane]:
+            job.queues[call.lane].remove(call_id)
+            job.unfinished.discard(call_id)
+            job.barriers.discard(call_id)
             del self._calls[call_id]
 
     def _lose_worker(self, worker_id: str, reason: str, now: float) -> list[Action]:
@@ -397,18 +476,25 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
-        for job_id in sorted(worker.jobs):
+        for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
             job.lost = (
                 f"worker {worker_id} holding job {job_id}'s state was lost ({reason}); its unsaved "
                 "training state is gone: open the job again and load its last checkpoint"
             )
-            pending = ([job.running] if job.running is not None else []) + list(job.queue)
-            for call_id in pending:
+            for call_id in sorted(job.unfinished):
                 self._calls.pop(call_id, None)
                 actions.append(Fail(job_id, call_id, WorkerLostError(job.lost)))
-            job.queue.clear()
-            job.running = None
+            for lane in (SAMPLER, TRAINER):
+                for call_id in job.running[lane]:  # the surviving worker of a disaggregated job
+                    other = self._workers.get(job.sampler if lane == SAMPLER else job.home)
+                    if other is not None:
+                        other.running.discard(call_id)
+                        self.ledger.call_finished(other.worker_id, job_id, now)
+                job.queues[lane].clear()
+                job.running[lane].clear()
+            job.unfinished.clear()
+            job.barriers.clear()
             self._waiting.discard(job_id)
         return actions
 
@@ -419,23 +505,34 @@ class Scheduler:
             victim = self._victim(worker, None, now)
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
-        ready = [self._jobs[j] for j in worker.jobs if self._jobs[j].queue and self._jobs[j].running is None]
-        if len(ready) > 1 and self.policy == "plex":
-            ready.sort(key=lambda j: self._plex_rank(j, now))
-        elif len(ready) > 1:
-            ready.sort(key=lambda j: j.queue[0])
-        for job in ready:
-            call = self._calls[job.queue[0]]
-            # Closing needs no state on the device: it frees the state wherever it is.
-            if job.state.tier == rs.DEVICE or (call.kind == "close" and job.state.tier == rs.HOST):
-                if len(worker.running) < worker.slots:
-                    job.state.waiting_since_s = None
-                    self._waiting.discard(job.job_id)
-                    job.queue.popleft()
-                    job.running = call.call_id
+        entries: list[tuple[_Job, list[_Call]]] = []
+        for job_id in worker.jobs | worker.samplers:
+            job = self._jobs[job_id]
+            for lane in job.lanes_on(worker.worker_id):
+                startable = self._startable(job, lane)
+                if startable:
+                    entries.append((job, startable))
+        if len(entries) > 1 and self.policy == "plex":
+            entries.sort(key=lambda e: self._plex_rank(e[0], e[1][0], now))
+        elif len(entries) > 1:
+            entries.sort(key=lambda e: e[1][0].call_id)
+        for job, startable in entries:
+            # Lanes on the job's home need its state on the device (closing frees it wherever it
+            # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
+            first = startable[0]
+            needs_state = job.home == worker.worker_id
+            if not needs_state or job.state.tier == rs.DEVICE or (first.kind == "close" and job.state.tier == rs.HOST):
+                for call in startable:
+                    if len(worker.running) >= worker.slots:
+                        break
+                    if needs_state:
+                        job.state.waiting_since_s = None
+                        self._waiting.discard(job.job_id)
+                    job.queues[call.lane].remove(call.call_id)
+                    job.running[call.lane].add(call.call_id)
                     worker.running.add(call.call_id)
                     self.ledger.call_started(worker.worker_id, job.job_id, now)
-                    actions.append(Dispatch(call.call_id, worker.worker_id))
+                    actions.append(Dispatch(call.call_id, worker.worker_id, call.priority))
                 continue
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
@@ -450,10 +547,30 @@ class Scheduler:
                 actions.append(self._move(worker, victim, rs.HOST))
         return actions
 
-    def _plex_rank(self, job: _Job, now: float) -> tuple[bool, bool, float, int]:
+    def _startable(self, job: _Job, lane: str) -> list[_Call]:
+        """The calls of ``job``'s ``lane`` that may start now, in the order they should.
+
+        Trainer lane: its head, when nothing of the lane runs; a barrier only once every earlier
+        call of the job is done. Sampler lane: queued generates submitted before the first
+        unfinished barrier, lowest priority value first (frontier groups), then oldest.
+        """
+        queue = job.queues[lane]
+        if not queue:
+            return []
+        first_barrier = min(job.barriers) if job.barriers else None
+        if lane == TRAINER:
+            if job.running[TRAINER]:
+                return []
+            call = self._calls[queue[0]]
+            if call.kind in BARRIERS:
+                return [call] if min(job.unfinished) == call.call_id else []
+            return [call] if first_barrier is None or call.call_id < first_barrier else []
+        calls = [self._calls[c] for c in queue if first_barrier is None or c < first_barrier]
+        return sorted(calls, key=lambda c: (c.priority, c.call_id))
+
+    def _plex_rank(self, job: _Job, call: _Call, now: float) -> tuple[bool, bool, float, int]:
         """Resident first; then calls that unblock a stage; then the job furthest below its weighted
         fair share of accelerator-seconds; then the oldest call."""
-        call = self._calls[job.queue[0]]
         served = self.ledger.accelerator_s(job.job_id, now) / job.weight
         return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
 
@@ -463,7 +580,7 @@ class Scheduler:
         idle = [
             self._jobs[j]
             for j in sorted(worker.jobs)
-            if self._jobs[j].state.tier == rs.DEVICE and self._jobs[j].running is None and not self._jobs[j].queue
+            if self._jobs[j].state.tier == rs.DEVICE and self._jobs[j].idle_on(worker.worker_id)
         ]
         if not idle:
             return None

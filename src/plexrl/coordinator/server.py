@@ -39,6 +39,7 @@ from plexrl.protocol.pump import Frames, Pump
 log = logging.getLogger("plexrl.coordinator")
 
 TICK_S = 0.1  # how often jobs waiting for device room are re-checked
+PLACEMENTS = ("colocated", "disaggregated")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -57,6 +58,7 @@ class _JobRecord:
     name: str
     owner: bytes
     worker_id: str
+    sampler_id: str = ""  # a disaggregated job's sampler worker ("" = colocated)
     state: str = "open"  # "open" -> "closing" -> removed; or "lost"
     calls_done: int = 0
 
@@ -69,6 +71,7 @@ class _CallRecord:
     client_rid: int
     call: calls.Call
     worker_id: str | None = None  # set on dispatch
+    held: m.CallDone | None = None  # a disaggregated job's result, held while its sampler worker follows
 
 
 @dataclass
@@ -258,16 +261,19 @@ class Coordinator:
             raise InvalidRequestError(
                 f"job name {msg.name!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             )
+        if not msg.weight > 0:
+            raise InvalidRequestError(f"job weight {msg.weight} must be > 0 (1.0 is an equal share)")
+        if msg.placement not in PLACEMENTS:
+            raise InvalidRequestError(f"placement {msg.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         job_id = f"{msg.name}-{next(self._job_ids)}"
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec))
-        if not msg.weight > 0:
-            raise InvalidRequestError(f"job weight {msg.weight} must be > 0 (1.0 is an equal share)")
         # Its state's size is known once the worker opened it (JobSized).
-        opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model)
+        disaggregated = msg.placement == "disaggregated"
+        opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
-                self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id)
+                self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id, action.sampler_id)
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
                 self._carry_out(sch.Fail(job_id, call_id, action.error))
@@ -282,8 +288,14 @@ class Coordinator:
             raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another client; a client may only use its own jobs")
         if job.state == "closing":
             raise JobClosedError(f"job {msg.job_id!r} is closed: open a new job to keep going")
-        if isinstance(msg.call, calls.Open):
-            raise InvalidRequestError("jobs are opened with OpenJob, not by submitting an Open call")
+        if isinstance(msg.call, calls.Open | calls.SetWeights):
+            raise InvalidRequestError(
+                f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
+            )
+        if job.sampler_id and isinstance(msg.call, calls.Load):
+            raise InvalidRequestError(
+                "load on a disaggregated job is not supported yet: open the job colocated to load a checkpoint"
+            )
         _validate(msg.call)
         if job.state == "lost" and isinstance(msg.call, calls.Close):  # nothing left to free
             del self._jobs[job.job_id]
@@ -317,25 +329,57 @@ class Coordinator:
         if rec is None or rec.worker_id != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
             return
-        self._forget(rec)
         self._workers[worker_id].calls_done += 1
+        if isinstance(msg, m.CallDone) and self._follow_on_sampler(rec, msg):
+            return  # the sampler worker does its part next; the caller hears once it is done
+        self._forget(rec)
         job = self._jobs.get(rec.job_id)
         if job is not None:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
+            result = rec.held.result if rec.held is not None else msg.result
             self._send(
                 rec.client,
-                m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=msg.result, compute_s=msg.compute_s),
+                m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s),
             )
+            msg = rec.held or msg
         else:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         if isinstance(msg, m.CallDone) and isinstance(msg.result, calls.Opened):
             self._apply(sch.JobSized(rec.job_id, msg.result.state_bytes))
         self._apply(sch.CallFinished(rec.call_id))
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
+        if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:
+            # The replica failed after the home opened: free the home's half (its answer is not awaited).
+            home = self._workers[job.worker_id]
+            self._send(home.ident, m.Execute(rid=next(self._call_ids), job_id=rec.job_id, call=calls.Close()))
         if isinstance(rec.call, calls.Close) or opening_failed:
             self._jobs.pop(rec.job_id, None)
             self._apply(sch.JobClosed(rec.job_id))
+
+    def _follow_on_sampler(self, rec: _CallRecord, done: m.CallDone) -> bool:
+        """A disaggregated job's barrier call, done on its home worker, continues on its sampler
+        worker: open the replica, push the new weights, close the replica. True if it went on."""
+        job = self._jobs.get(rec.job_id)
+        if job is None or not job.sampler_id or rec.held is not None or rec.worker_id == job.sampler_id:
+            return False
+        follow: calls.Call
+        match rec.call, done.result:
+            case calls.Open(spec=spec), calls.Opened():
+                follow, held = calls.Open(spec=spec, replica=True), done
+            case calls.SyncWeights(), calls.Synced(weight_version=version, tensors=tensors) if tensors is not None:
+                follow = calls.SetWeights(weight_version=version, tensors=tensors)
+                held = m.CallDone(rid=done.rid, job_id=done.job_id, result=calls.Synced(weight_version=version))
+            case calls.Close(), _:
+                follow, held = calls.Close(), done
+            case _:
+                return False
+        sampler = self._workers.get(job.sampler_id)
+        if sampler is None:
+            return False  # lost: the scheduler fails the call with the worker
+        rec.held, rec.worker_id = held, job.sampler_id
+        self._send(sampler.ident, m.Execute(rid=rec.call_id, job_id=rec.job_id, call=follow))
+        return True
 
     def _on_state_moved(self, worker_id: str | None, msg: m.StateMoved) -> None:
         move = self._moves.get(msg.rid)
@@ -362,7 +406,11 @@ class Coordinator:
             case sch.Dispatch(call_id, worker_id, priority):
                 rec = self._calls[call_id]
                 rec.worker_id = worker_id
-                execute = m.Execute(rid=call_id, job_id=rec.job_id, call=rec.call, priority=priority)
+                call = rec.call
+                job = self._jobs.get(rec.job_id)
+                if job is not None and job.sampler_id and isinstance(call, calls.SyncWeights):
+                    call = calls.SyncWeights(export=True)  # its sampler worker gets the weights next
+                execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
             case sch.Fail(job_id, call_id, error):
                 failed = self._calls.get(call_id) if call_id is not None else None
@@ -386,7 +434,7 @@ class Coordinator:
         for move_id in [k for k, (w, _) in self._moves.items() if w == rec.worker_id]:
             del self._moves[move_id]  # the scheduler forgets the transfer with the worker
         for job in self._jobs.values():
-            if job.worker_id == rec.worker_id:
+            if rec.worker_id in (job.worker_id, job.sampler_id):
                 job.state = "lost"
         self._apply(sch.WorkerLost(rec.worker_id, reason))
 
@@ -443,6 +491,7 @@ class Coordinator:
             calls_done=j.calls_done,
             state=j.state,
             tier=residency.tier if residency else "",
+            sampler_worker_id=j.sampler_id,
             state_bytes=residency.state_bytes if residency else 0,
             wall_s=usage.wall_s(now) if usage else 0.0,
             accelerator_s=ledger.accelerator_s(j.job_id, now),

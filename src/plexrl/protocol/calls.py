@@ -25,9 +25,11 @@ class JobSpec(msgspec.Struct, frozen=True):
 
 
 class Open(msgspec.Struct, tag="open", frozen=True):
-    """Create the job's state on its home worker (the first call of every job)."""
+    """Create the job's state on its home worker (the first call of every job); ``replica``: on
+    a disaggregated job's sampler worker, where only its sampler is used."""
 
     spec: JobSpec
+    replica: bool = False
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -52,7 +54,17 @@ class OptimStep(msgspec.Struct, tag="optim_step", frozen=True):
 
 
 class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
-    """Publish the trainer's weights to the sampler; the weight version goes up by one."""
+    """Publish the trainer's weights to the sampler; the weight version goes up by one.
+    ``export``: also return them (for a disaggregated job's sampler worker)."""
+
+    export: bool = False
+
+
+class SetWeights(msgspec.Struct, tag="set_weights", frozen=True):
+    """The coordinator's push of a disaggregated job's new weights to its sampler worker."""
+
+    weight_version: int
+    tensors: dict[str, np.ndarray]
 
 
 class Save(msgspec.Struct, tag="save", frozen=True):
@@ -67,7 +79,7 @@ class Close(msgspec.Struct, tag="close", frozen=True):
     """Free the job's state on its worker (the last call of every job)."""
 
 
-Call = Open | Generate | Logprobs | ForwardBackward | OptimStep | SyncWeights | Save | Load | Close
+Call = Open | Generate | Logprobs | ForwardBackward | OptimStep | SyncWeights | SetWeights | Save | Load | Close
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -121,6 +133,7 @@ class OptimStepResult(msgspec.Struct, tag="optim_step_result", frozen=True):
 
 class Synced(msgspec.Struct, tag="synced", frozen=True):
     weight_version: int
+    tensors: dict[str, np.ndarray] | None = None  # with SyncWeights(export=True) only
 
 
 class Saved(msgspec.Struct, tag="saved", frozen=True):
@@ -145,5 +158,5 @@ Result = (
 
 CALL_KIND: dict[type, str] = {
     t: str(t.__struct_config__.tag)
-    for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, Save, Load, Close)
+    for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, SetWeights, Save, Load, Close)
 }

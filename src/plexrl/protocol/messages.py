@@ -70,6 +70,7 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
     name: str
     spec: JobSpec
     weight: float = 1.0  # the job's share of accelerator time relative to other jobs (plex policy)
+    placement: str = "colocated"  # or "disaggregated": generates on another worker than training
 
 
 class Submit(Envelope, tag="submit", frozen=True):
@@ -119,6 +120,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     calls_done: int
     state: str  # "open", "closing", "lost"
     tier: str = ""  # where its state is: "device", "host", "to_device", "to_host"
+    sampler_worker_id: str = ""  # a disaggregated job's sampler worker ("" = its worker_id)
     state_bytes: int = 0
     wall_s: float = 0.0  # since it opened
     accelerator_s: float = 0.0  # its calls' device time (its share when batched) + its transitions

@@ -27,6 +27,7 @@ from plexrl.protocol.calls import (
     OptimStep,
     Result,
     Save,
+    SetWeights,
     SyncWeights,
 )
 from plexrl.worker import memory
@@ -100,8 +101,10 @@ class Engine:
                 return job.forward_backward(batch, loss, config)
             case OptimStep():
                 return job.optim_step()
-            case SyncWeights():
-                return job.sync_weights()
+            case SyncWeights(export=export):
+                return job.sync_weights(export)
+            case SetWeights(weight_version=version, tensors=tensors):
+                return job.set_weights(version, tensors)
             case Save(path=path):
                 return job.save(path)
             case Load(path=path):

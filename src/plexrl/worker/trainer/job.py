@@ -238,10 +238,27 @@ class Job:
         self.step += 1
         return OptimStepResult(step=self.step, grad_norm=grad_norm)
 
-    def sync_weights(self) -> Synced:
+    def sync_weights(self, export: bool = False) -> Synced:
         self.weight_version += 1
         self._publish(self.weights.trainer_params)
-        return Synced(weight_version=self.weight_version)
+        if not export:
+            return Synced(weight_version=self.weight_version)
+        tensors = {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
+        return Synced(weight_version=self.weight_version, tensors=tensors)
+
+    def set_weights(self, version: int, tensors: dict[str, np.ndarray]) -> Synced:
+        """Serve ``tensors`` (another worker's trainer weights) as ``version``: a disaggregated
+        job's sampler replica. Checks everything before changing anything."""
+        params = self.weights.trainer_params
+        wrong = sorted(set(tensors) ^ set(params)) + [
+            k for k, t in tensors.items() if k in params and tuple(t.shape) != tuple(params[k].shape)
+        ]
+        if wrong:
+            raise InvalidRequestError(f"pushed weights do not fit this job's (e.g. {wrong[:3]}): same spec needed")
+        device = next(iter(params.values())).device
+        self.weight_version = version
+        self._publish({k: torch.from_numpy(np.asarray(t)).to(device) for k, t in tensors.items()})
+        return Synced(weight_version=version)
 
     def save(self, path: str) -> Saved:
         """Checkpoint the trainer weights and optimizer; accumulated gradients are not saved."""
@@ -305,7 +322,7 @@ class Job:
         self.weights.close()
         return Closed()
 
-    def _publish(self, tensors: dict[str, nn.Parameter], initial: bool = False) -> None:
+    def _publish(self, tensors: dict[str, nn.Parameter] | dict[str, Tensor], initial: bool = False) -> None:
         """Make the sampler serve ``tensors`` as version ``weight_version``."""
         if self.vllm is not None and self.key is not None:
             self.vllm.set_adapter(self.key, self.weight_version, dict(tensors), self.weights.adapter_config())
