@@ -157,8 +157,8 @@ class Client:
             with contextlib.suppress(zmq.ZMQError):
                 self._pump.send(self._codec.encode(m.Cancel(rid=next(self._rids), call_rid=rid)))
 
-    def submit(self, job_id: str, call: calls.Call, result_type: type[T]) -> asyncio.Future[T]:
-        return self.request(m.Submit(job_id=job_id, call=call), expect_result(result_type))
+    def submit(self, job_id: str, call: calls.Call, result_type: type[T], priority: int = 0) -> asyncio.Future[T]:
+        return self.request(m.Submit(job_id=job_id, call=call, priority=priority), expect_result(result_type))
 
     async def open_job(
         self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"

@@ -23,6 +23,7 @@ from plexrl.client.connection import Client, current_client
 from plexrl.errors import JobClosedError, NoJobContextError, PlexError
 from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo
+from plexrl.rollout.pipeline import Reward, Rollout
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, SamplingParams
 
 current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("plexrl_job", default=None)
@@ -53,12 +54,33 @@ class Job:
     def __repr__(self) -> str:
         return f"Job({self.job_id!r}, model={self.spec.model!r})"
 
-    def generate(self, prompts: Prompts, params: SamplingParams | None = None) -> asyncio.Future[calls.Generated]:
-        """Sample ``params.n`` completions per prompt (token ids) with the sampler's weights."""
+    def generate(
+        self, prompts: Prompts, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> asyncio.Future[calls.Generated]:
+        """Sample ``params.n`` completions per prompt (token ids) with the sampler's weights.
+        ``priority``: among this job's queued generates, lower is admitted first."""
         params = params or SamplingParams()
         params.validate()
         rows = prompts if isinstance(prompts, Ragged) else Ragged.from_rows(prompts, "int32")
-        return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated)
+        return self.client.submit(self.job_id, calls.Generate(prompts=rows, params=params), calls.Generated, priority)
+
+    def rollout(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        n: int,
+        reward: Reward,
+        *,
+        params: SamplingParams | None = None,
+        chunk: int | None = None,
+        admission: str = "frontier",
+        drop_zero_variance: bool = False,
+    ) -> Rollout:
+        """Sample ``n`` completions of each prompt and yield each group once all its rewards are in
+        (``async for group in job.rollout(...)``); see :mod:`plexrl.rollout.pipeline`."""
+        return Rollout(
+            self, prompts, n, reward, params=params, chunk=chunk, admission=admission,
+            drop_zero_variance=drop_zero_variance,
+        )  # fmt: skip
 
     def logprobs(self, tokens: Prompts) -> asyncio.Future[calls.LogprobsResult]:
         rows = tokens if isinstance(tokens, Ragged) else Ragged.from_rows(tokens, "int32")

@@ -309,7 +309,7 @@ class Coordinator:
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call)
         self._call_of[(ident, msg.rid)] = call_id
-        self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)]))
+        self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
 
     def _cancel(self, ident: bytes, call_rid: int) -> None:
         """A queued call is dropped; a running one is aborted on its worker (if the engine can)."""

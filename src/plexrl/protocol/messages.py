@@ -76,6 +76,7 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
 class Submit(Envelope, tag="submit", frozen=True):
     job_id: str
     call: Call
+    priority: int = 0  # generates: lower is admitted first (a rollout's frontier groups)
 
 
 class Cancel(Envelope, tag="cancel", frozen=True):

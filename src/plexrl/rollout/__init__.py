@@ -1,5 +1,6 @@
-"""Client-side rollout pieces: group advantages and training batches from generated groups."""
+"""Client-side rollout pieces: group advantages, training batches, and complete-group pipelining."""
 
 from plexrl.rollout.advantages import group_advantages, grpo_batch
+from plexrl.rollout.pipeline import Group, Rollout, RolloutMetrics, train
 
-__all__ = ["group_advantages", "grpo_batch"]
+__all__ = ["Group", "Rollout", "RolloutMetrics", "group_advantages", "grpo_batch", "train"]

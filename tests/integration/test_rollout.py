@@ -1,0 +1,70 @@
+"""Complete-group pipelining through real processes: groups stream to the trainer as they finish."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import plexrl
+from plexrl.errors import StaleSamplesError
+from plexrl.rollout import Group, train
+from plexrl.types import Sample
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 3], [1, 4, 4, 4, 4]]
+PARAMS = plexrl.SamplingParams(max_tokens=6, temperature=1.0)
+
+
+async def tool_reward(prompt_index: int, sample: Sample) -> float:
+    await asyncio.sleep(0.01 * (prompt_index + 1))  # a verifier that awaits a tool
+    return float(np.sum(sample.tokens == 5)) + 0.1 * prompt_index
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+async def test_a_rollout_yields_every_group_complete_scored_and_trains_on_policy(
+    tiny_model: Path, placement: str
+) -> None:
+    async with plexrl.local(workers=2), plexrl.job("pipe", model=tiny_model, placement=placement) as job:
+        rollout = job.rollout(PROMPTS, n=4, reward=tool_reward, params=PARAMS, chunk=2)
+        groups: list[Group] = []
+
+        async def consume():  # type: ignore[no-untyped-def]
+            async for g in rollout:
+                groups.append(g)
+                yield g
+
+        step = await train(job, consume(), per_call=1, metrics=rollout.metrics)
+        assert step.step == 1
+        assert sorted(g.index for g in groups) == [0, 1, 2, 3]
+        for g in groups:
+            assert len(g.samples) == 4 and g.weight_version == 0
+            np.testing.assert_array_equal(g.prompt, PROMPTS[g.index])
+            expected = [float(np.sum(s.tokens == 5)) + 0.1 * g.index for s in g.samples]
+            np.testing.assert_allclose(g.rewards, expected, rtol=1e-6)
+            assert abs(float(np.mean(g.advantages))) < 1e-5  # normalised within the group
+        m = rollout.metrics
+        assert len(m.group_ready_s) == 4 and m.started_s <= min(m.group_ready_s)
+        assert m.rollout_to_train_end_s > 0 and 0 <= m.trainer_waiting_ratio < 1
+        await job.sync_weights()
+        with pytest.raises(StaleSamplesError):  # the old rollout is off-policy now
+            await job.forward_backward(groups[0].batch())
+
+
+@pytest.mark.asyncio
+async def test_frontier_admission_completes_groups_in_order_and_zero_variance_groups_can_be_dropped(
+    tiny_model: Path,
+) -> None:
+    async with plexrl.local(workers=1), plexrl.job("frontier", model=tiny_model) as job:
+        order = [g.index async for g in job.rollout(PROMPTS, n=4, reward=lambda i, s: 1.0, params=PARAMS)]
+        assert order == [0, 1, 2, 3]  # one worker, one call at a time: group by group
+        first = job.rollout(PROMPTS, n=4, reward=lambda i, s: float(i), params=PARAMS, drop_zero_variance=True)
+        assert [g async for g in first] == [] and first.metrics.dropped == 4  # every group's rewards are equal
+        arrival = job.rollout(PROMPTS, n=2, reward=tool_reward, params=PARAMS, chunk=2, admission="arrival")
+        assert arrival.order()[:4] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # sample 1 of every group first
+        frontier = job.rollout(PROMPTS, n=2, reward=tool_reward, params=PARAMS, chunk=2)
+        assert frontier.order()[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        with pytest.raises(plexrl.errors.InvalidRequestError, match="at least 2"):
+            job.rollout(PROMPTS, n=1, reward=tool_reward)
