@@ -10,7 +10,7 @@ import pytest
 
 import plexrl
 from plexrl.errors import StaleSamplesError
-from plexrl.rollout import Group, train
+from plexrl.rollout import train
 from plexrl.types import Sample
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 3], [1, 4, 4, 4, 4]]
@@ -29,14 +29,8 @@ async def test_a_rollout_yields_every_group_complete_scored_and_trains_on_policy
 ) -> None:
     async with plexrl.local(workers=2), plexrl.job("pipe", model=tiny_model, placement=placement) as job:
         rollout = job.rollout(PROMPTS, n=4, reward=tool_reward, params=PARAMS, chunk=2)
-        groups: list[Group] = []
-
-        async def consume():  # type: ignore[no-untyped-def]
-            async for g in rollout:
-                groups.append(g)
-                yield g
-
-        step = await train(job, consume(), per_call=1, metrics=rollout.metrics)
+        step = await train(job, rollout, per_call=1, metrics=rollout.metrics)
+        groups = rollout.groups
         assert step.step == 1
         assert sorted(g.index for g in groups) == [0, 1, 2, 3]
         for g in groups:
@@ -68,3 +62,28 @@ async def test_frontier_admission_completes_groups_in_order_and_zero_variance_gr
         assert frontier.order()[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         with pytest.raises(plexrl.errors.InvalidRequestError, match="at least 2"):
             job.rollout(PROMPTS, n=1, reward=tool_reward)
+
+
+async def _grpo_steps(job: plexrl.Job, pipelined: bool, steps: int) -> tuple[list[float], np.ndarray]:
+    rewards = []
+    for step in range(steps):
+        prompts = [p[: 2 + step] for p in PROMPTS]
+        rollout = job.rollout(prompts, n=4, reward=tool_reward, params=PARAMS, chunk=4)
+        await train(job, rollout if pipelined else [g async for g in rollout], per_call=2)
+        await job.sync_weights()
+        rewards.append(float(np.mean([r for g in rollout.groups for r in g.rewards])))
+    return rewards, (await job.logprobs(PROMPTS)).logprobs.values
+
+
+@pytest.mark.asyncio
+async def test_pipelined_training_learns_exactly_as_the_synchronous_baseline(tiny_model: Path) -> None:
+    """The same prompts and seeds, trained after the whole rollout or group by group as groups
+    complete: the same on-policy algorithm, so the same rewards and the same final weights."""
+    spec = {"model": tiny_model, "lora": plexrl.LoRA(rank=4), "optimizer": plexrl.AdamW(lr=5e-2), "seed": 5}
+    async with plexrl.local(workers=2):
+        async with plexrl.job("sync", placement="disaggregated", **spec) as job:  # type: ignore[arg-type]
+            sync_rewards, sync_lp = await _grpo_steps(job, pipelined=False, steps=3)
+        async with plexrl.job("piped", placement="disaggregated", **spec) as job:  # type: ignore[arg-type]
+            piped_rewards, piped_lp = await _grpo_steps(job, pipelined=True, steps=3)
+    assert piped_rewards == sync_rewards
+    np.testing.assert_allclose(piped_lp, sync_lp, atol=1e-6)  # gradients summed in the same order

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,6 +121,7 @@ class Rollout:
         self.admission = admission
         self.drop_zero_variance = drop_zero_variance
         self.metrics = RolloutMetrics()
+        self.groups: list[Group] = []  # those yielded so far, in order
         self._ready: asyncio.Queue[Group | BaseException | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
@@ -133,6 +134,7 @@ class Rollout:
             while (item := await self._ready.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
+                self.groups.append(item)
                 yield item
         finally:
             if not self._task.done():
@@ -193,7 +195,7 @@ class Rollout:
 
 async def train(
     job: Job,
-    groups: AsyncIterator[Group] | Sequence[Group],
+    groups: AsyncIterable[Group] | Sequence[Group],
     *,
     per_call: int = 1,
     loss: str = "grpo",
@@ -233,7 +235,7 @@ async def train(
     return result
 
 
-async def _as_async(groups: AsyncIterator[Group] | Sequence[Group]) -> AsyncIterator[Group]:
+async def _as_async(groups: AsyncIterable[Group] | Sequence[Group]) -> AsyncIterator[Group]:
     if isinstance(groups, Sequence):
         for g in groups:
             yield g
