@@ -203,9 +203,12 @@ async def train(
     metrics: RolloutMetrics | None = None,
 ) -> OptimStepResult:
     """Train on groups FIFO as they come: ``forward_backward`` every ``per_call`` groups (the
-    gradients accumulate), one ``optim_step`` once the groups run out. Returns the step."""
+    gradients accumulate), one ``optim_step`` once the groups run out. Returns the step. The
+    trainer's busy time and end go to ``metrics`` (a ``Rollout``'s own by default)."""
     if per_call < 1:
         raise InvalidRequestError(f"per_call={per_call}: train on at least one group per call")
+    if metrics is None and isinstance(groups, Rollout):
+        metrics = groups.metrics
     busy = metrics.trainer_busy if metrics is not None else []
     pending: list[Group] = []
     trained = 0
