@@ -62,6 +62,11 @@ async def test_frontier_admission_completes_groups_in_order_and_zero_variance_gr
         assert frontier.order()[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         with pytest.raises(plexrl.errors.InvalidRequestError, match="at least 2"):
             job.rollout(PROMPTS, n=1, reward=tool_reward)
+        async for _ in job.rollout(PROMPTS * 4, n=4, reward=tool_reward, params=PARAMS):
+            break  # a consumer that stops early: the rest of the rollout is cancelled, not left queued
+        async with asyncio.timeout(30):
+            while (await job.stats()).queued:
+                await asyncio.sleep(0.05)
 
 
 async def _grpo_steps(job: plexrl.Job, pipelined: bool, steps: int) -> tuple[list[float], np.ndarray]:

@@ -165,18 +165,22 @@ class Rollout:
             pending[self.job.generate([self.prompts[g] for g in rows], self.params, priority=priority)] = rows
         scored: list[list[tuple[Sample, asyncio.Task[float]]]] = [[] for _ in self.prompts]
         groups: list[asyncio.Task[None]] = []
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                rows = pending.pop(fut)
-                for sample in fut.result().samples:
-                    group = rows[sample.prompt_index]
-                    own = Sample(0, sample.tokens, sample.logprobs, sample.finish_reason, sample.weight_version)
-                    scored[group].append((own, asyncio.ensure_future(self._score(group, own))))
-                for group in sorted(set(rows)):
-                    if len(scored[group]) == self.n:
-                        groups.append(asyncio.ensure_future(self._complete(group, scored[group])))
-        await asyncio.gather(*groups)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    rows = pending.pop(fut)
+                    for sample in fut.result().samples:
+                        group = rows[sample.prompt_index]
+                        own = Sample(0, sample.tokens, sample.logprobs, sample.finish_reason, sample.weight_version)
+                        scored[group].append((own, asyncio.ensure_future(self._score(group, own))))
+                    for group in sorted(set(rows)):
+                        if len(scored[group]) == self.n:
+                            groups.append(asyncio.ensure_future(self._complete(group, scored[group])))
+            await asyncio.gather(*groups)
+        finally:  # the consumer stopped early, or a call or a reward failed: cancel what is left
+            for fut in [*pending, *groups]:
+                fut.cancel()
 
     async def _score(self, group: int, sample: Sample) -> float:
         value = self.reward(group, sample)
