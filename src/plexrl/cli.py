@@ -205,12 +205,13 @@ async def _status(args: argparse.Namespace) -> int:
         )
     print(
         f"{'job':24} {'worker':8} {'state':8} {'tier':9} {'queued':>6} {'calls':>7} {'wall_s':>8} {'accel_s':>8} "
-        f"{'cost/held':>9} {'swaps':>6} {'swap_s':>7}"
+        f"{'cost/held':>9} {'swaps':>6} {'swap_s':>7} {'sampler':>8}"
     )
     for j in st.jobs:
         print(
             f"{j.job_id[:24]:24} {j.worker_id:8} {j.state:8} {j.tier:9} {j.queued:>6} {j.calls_done:>7} "
-            f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f}"
+            f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f} "
+            f"{j.sampler_worker_id or j.worker_id:>8}"
         )
     return 0
 

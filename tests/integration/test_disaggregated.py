@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 import plexrl
-from plexrl.errors import InvalidRequestError
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 3]]
 SAMPLING = plexrl.SamplingParams(n=4, max_tokens=6, temperature=1.0)
+GREEDY = plexrl.SamplingParams(max_tokens=6, temperature=0.0)
 
 
 @pytest.mark.asyncio
-async def test_a_disaggregated_job_learns_exactly_as_a_colocated_one(tiny_model: Path) -> None:
+async def test_a_disaggregated_job_learns_exactly_as_a_colocated_one(tiny_model: Path, tmp_path: Path) -> None:
     spec = {"model": tiny_model, "lora": plexrl.LoRA(rank=4), "optimizer": plexrl.AdamW(lr=5e-2), "seed": 3}
     async with plexrl.local(workers=2) as client:
         async with plexrl.job("apart", placement="disaggregated", **spec) as apart:  # type: ignore[arg-type]
@@ -31,8 +31,16 @@ async def test_a_disaggregated_job_learns_exactly_as_a_colocated_one(tiny_model:
             assert (await apart.sync_weights()).weight_version == 1
             after = await apart.generate(PROMPTS, SAMPLING)  # on the replica, with the pushed weights
             assert after.weight_version == 1
-            with pytest.raises(InvalidRequestError, match="disaggregated"):
-                await apart.load("/nonexistent")
+            # A checkpoint loaded on the home worker reaches the replica too.
+            saved = await apart.generate(PROMPTS, GREEDY)
+            await apart.save(tmp_path / "v1")
+            more = await apart.generate(PROMPTS, SAMPLING)
+            await apart.optimize(plexrl.grpo_batch(PROMPTS, more, [1.0, 0.0, 0.0, 1.0] * 3), loss="grpo")
+            assert (await apart.sync_weights()).weight_version == 2
+            assert (await apart.load(tmp_path / "v1")).weight_version == 1
+            again = await apart.generate(PROMPTS, GREEDY)
+            assert again.weight_version == 1 and again.tokens.values.tolist() == saved.tokens.values.tolist()
+            np.testing.assert_array_equal(again.logprobs.values, saved.logprobs.values)
             apart_lp = (await apart.logprobs(PROMPTS)).logprobs.values
         async with plexrl.job("together", **spec) as together:  # type: ignore[arg-type]
             out2 = await together.generate(PROMPTS, SAMPLING)

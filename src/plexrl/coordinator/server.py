@@ -292,12 +292,12 @@ class Coordinator:
             raise InvalidRequestError(
                 f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
             )
-        if job.sampler_id and isinstance(msg.call, calls.Load):
-            raise InvalidRequestError(
-                "load on a disaggregated job is not supported yet: open the job colocated to load a checkpoint"
-            )
         _validate(msg.call)
-        if job.state == "lost" and isinstance(msg.call, calls.Close):  # nothing left to free
+        if job.state == "lost" and isinstance(msg.call, calls.Close):  # nothing left to free, but
+            # a disaggregated job's surviving worker still holds its half: freed, unawaited.
+            for survivor in (job.worker_id, job.sampler_id):
+                if survivor in self._workers:
+                    self._close_unawaited(survivor, job.job_id)
             del self._jobs[job.job_id]
             self._apply(sch.JobClosed(job.job_id))
             self._send(ident, m.CallDone(rid=msg.rid, job_id=job.job_id, result=calls.Closed()))
@@ -350,16 +350,15 @@ class Coordinator:
         self._apply(sch.CallFinished(rec.call_id))
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
         if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:
-            # The replica failed after the home opened: free the home's half (its answer is not awaited).
-            home = self._workers[job.worker_id]
-            self._send(home.ident, m.Execute(rid=next(self._call_ids), job_id=rec.job_id, call=calls.Close()))
+            self._close_unawaited(job.worker_id, rec.job_id)  # the replica failed after the home opened
         if isinstance(rec.call, calls.Close) or opening_failed:
             self._jobs.pop(rec.job_id, None)
             self._apply(sch.JobClosed(rec.job_id))
 
     def _follow_on_sampler(self, rec: _CallRecord, done: m.CallDone) -> bool:
         """A disaggregated job's barrier call, done on its home worker, continues on its sampler
-        worker: open the replica, push the new weights, close the replica. True if it went on."""
+        worker: open the replica, push the new (or loaded) weights, close the replica. True if it
+        went on."""
         job = self._jobs.get(rec.job_id)
         if job is None or not job.sampler_id or rec.held is not None or rec.worker_id == job.sampler_id:
             return False
@@ -370,6 +369,12 @@ class Coordinator:
             case calls.SyncWeights(), calls.Synced(weight_version=version, tensors=tensors) if tensors is not None:
                 follow = calls.SetWeights(weight_version=version, tensors=tensors)
                 held = m.CallDone(rid=done.rid, job_id=done.job_id, result=calls.Synced(weight_version=version))
+            case calls.Load(), calls.Loaded(path=path, weight_version=version, step=step, tensors=tensors) if (
+                tensors is not None
+            ):
+                follow = calls.SetWeights(weight_version=version, tensors=tensors)
+                loaded = calls.Loaded(path=path, weight_version=version, step=step)
+                held = m.CallDone(rid=done.rid, job_id=done.job_id, result=loaded)
             case calls.Close(), _:
                 follow, held = calls.Close(), done
             case _:
@@ -380,6 +385,11 @@ class Coordinator:
         rec.held, rec.worker_id = held, job.sampler_id
         self._send(sampler.ident, m.Execute(rid=rec.call_id, job_id=rec.job_id, call=follow))
         return True
+
+    def _close_unawaited(self, worker_id: str, job_id: str) -> None:
+        """Free what a worker holds of a job nobody can use any more; its answer is dropped."""
+        close = m.Execute(rid=next(self._call_ids), job_id=job_id, call=calls.Close())
+        self._send(self._workers[worker_id].ident, close)
 
     def _on_state_moved(self, worker_id: str | None, msg: m.StateMoved) -> None:
         move = self._moves.get(msg.rid)
@@ -410,6 +420,8 @@ class Coordinator:
                 job = self._jobs.get(rec.job_id)
                 if job is not None and job.sampler_id and isinstance(call, calls.SyncWeights):
                     call = calls.SyncWeights(export=True)  # its sampler worker gets the weights next
+                elif job is not None and job.sampler_id and isinstance(call, calls.Load):
+                    call = calls.Load(path=call.path, export=True)
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
             case sch.Fail(job_id, call_id, error):

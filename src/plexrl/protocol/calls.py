@@ -73,6 +73,7 @@ class Save(msgspec.Struct, tag="save", frozen=True):
 
 class Load(msgspec.Struct, tag="load", frozen=True):
     path: str
+    export: bool = False  # also return the loaded weights (for a disaggregated job's sampler worker)
 
 
 class Close(msgspec.Struct, tag="close", frozen=True):
@@ -146,6 +147,7 @@ class Loaded(msgspec.Struct, tag="loaded", frozen=True):
     path: str
     weight_version: int
     step: int
+    tensors: dict[str, np.ndarray] | None = None  # with Load(export=True) only
 
 
 class Closed(msgspec.Struct, tag="closed", frozen=True):

@@ -179,8 +179,9 @@ class Rollout:
                             groups.append(asyncio.ensure_future(self._complete(group, scored[group])))
             await asyncio.gather(*groups)
         finally:  # the consumer stopped early, or a call or a reward failed: cancel what is left
-            for fut in [*pending, *groups]:
-                fut.cancel()
+            left: list[asyncio.Future[Generated] | asyncio.Task[None]] = [*pending, *groups]
+            for task in left:
+                task.cancel()
 
     async def _score(self, group: int, sample: Sample) -> float:
         value = self.reward(group, sample)

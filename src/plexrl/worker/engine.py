@@ -107,8 +107,8 @@ class Engine:
                 return job.set_weights(version, tensors)
             case Save(path=path):
                 return job.save(path)
-            case Load(path=path):
-                return job.load(path)
+            case Load(path=path, export=export):
+                return job.load(path, export)
             case Close():
                 del self._jobs[job_id]
                 return job.close()

@@ -241,10 +241,11 @@ class Job:
     def sync_weights(self, export: bool = False) -> Synced:
         self.weight_version += 1
         self._publish(self.weights.trainer_params)
-        if not export:
-            return Synced(weight_version=self.weight_version)
-        tensors = {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
-        return Synced(weight_version=self.weight_version, tensors=tensors)
+        return Synced(weight_version=self.weight_version, tensors=self._export() if export else None)
+
+    def _export(self) -> dict[str, np.ndarray]:
+        """The trainer weights as arrays, for another worker's sampler."""
+        return {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
 
     def set_weights(self, version: int, tensors: dict[str, np.ndarray]) -> Synced:
         """Serve ``tensors`` (another worker's trainer weights) as ``version``: a disaggregated
@@ -272,7 +273,7 @@ class Job:
         checkpoint.write(path, tensors, self.optimizer.state_dict(), manifest)
         return Saved(path=path, weight_version=self.weight_version, step=self.step)
 
-    def load(self, path: str) -> Loaded:
+    def load(self, path: str, export: bool = False) -> Loaded:
         """Restore a checkpoint into trainer and sampler; checks everything before changing anything.
 
         Accumulated gradients are discarded; the optimizer keeps this job's spec hyperparameters.
@@ -310,7 +311,8 @@ class Job:
         self.step = ckpt.manifest["step"]
         self.weight_version = ckpt.manifest["weight_version"]
         self._publish(params)  # with vLLM, this one can still fail (the engine died): the call then fails
-        return Loaded(path=path, weight_version=self.weight_version, step=self.step)
+        tensors = self._export() if export else None
+        return Loaded(path=path, weight_version=self.weight_version, step=self.step, tensors=tensors)
 
     def close(self) -> Closed:
         self._discard_gradients()
