@@ -4,7 +4,7 @@ then invariants over random event sequences (hypothesis)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from plexrl.coordinator.scheduler import (
@@ -359,6 +359,9 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=1500, deadline=None)
 @given(ops=st.lists(op, max_size=80))
+# Always tried besides the random ones: a sync_weights (KINDS[5]) submitted while a generate runs
+# on a worker with a free slot (random sequences rarely keep a generate running that long).
+@example(ops=[("join", 2), ("open", 0), ("submit", 0), ("submit", 50), ("finish", 0)])
 def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
     s = Scheduler(policy)
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
