@@ -62,6 +62,15 @@ async def test_frontier_admission_completes_groups_in_order_and_zero_variance_gr
         assert frontier.order()[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         with pytest.raises(plexrl.errors.InvalidRequestError, match="at least 2"):
             job.rollout(PROMPTS, n=1, reward=tool_reward)
+
+        def broken(i: int, s: Sample) -> float:
+            raise ValueError(f"verifier crashed on prompt {i}")
+
+        failing = job.rollout(PROMPTS, n=2, reward=broken, params=PARAMS)
+        with pytest.raises(ValueError, match="verifier crashed"):  # the reward's error reaches the consumer
+            _ = [g async for g in failing]
+        with pytest.raises(plexrl.errors.InvalidRequestError, match="iterated once"):
+            _ = [g async for g in failing]
         async for _ in job.rollout(PROMPTS * 4, n=4, reward=tool_reward, params=PARAMS):
             break  # a consumer that stops early: the rest of the rollout is cancelled, not left queued
         async with asyncio.timeout(30):

@@ -129,6 +129,8 @@ class Rollout:
         return self._groups()
 
     async def _groups(self) -> AsyncIterator[Group]:
+        if self._task is not None:
+            raise InvalidRequestError("a rollout is iterated once: make a new one with job.rollout(...)")
         self._task = asyncio.ensure_future(self._run())
         try:
             while (item := await self._ready.get()) is not None:
@@ -150,9 +152,9 @@ class Rollout:
     async def _run(self) -> None:
         try:
             await self._generate_and_score()
-        except BaseException as e:  # the consumer sees it at its next step
+        except Exception as e:  # a failed call or reward: the consumer raises it at its next step
             self._ready.put_nowait(e)
-            raise
+            return
         self._ready.put_nowait(None)
 
     async def _generate_and_score(self) -> None:
@@ -179,7 +181,10 @@ class Rollout:
                             groups.append(asyncio.ensure_future(self._complete(group, scored[group])))
             await asyncio.gather(*groups)
         finally:  # the consumer stopped early, or a call or a reward failed: cancel what is left
-            left: list[asyncio.Future[Generated] | asyncio.Task[None]] = [*pending, *groups]
+            scores = [task for members in scored for _, task in members]
+            left: list[asyncio.Future[Generated] | asyncio.Task[None] | asyncio.Task[float]] = [
+                *pending, *groups, *scores
+            ]  # fmt: skip
             for task in left:
                 task.cancel()
 
