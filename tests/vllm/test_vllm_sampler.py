@@ -236,3 +236,16 @@ async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
         with pytest.raises(plexrl.errors.CallAbortedError, match="aborted before it finished"):
             await long
         assert len((await b.generate(prompts, GREEDY)).samples) == 2
+        # A rollout on the vLLM worker: the groups' generates run together in vLLM's batches (by
+        # priority), training on the first groups runs beside them, and the step is on-policy.
+        problems = ["1+1=", "2+2=", "3+3=", "4+4="]
+        rollout = a.rollout(
+            [TOK.encode(p) for p in problems],
+            n=4,
+            reward=lambda i, s: float(TOK.decode(s.tokens).startswith(str(2 * (i + 1)))),
+            params=plexrl.SamplingParams(max_tokens=4, temperature=1.0),
+        )
+        step = await plexrl.rollout.train(a, rollout)
+        assert step.step == 1 and sorted(g.index for g in rollout.groups) == [0, 1, 2, 3]
+        assert {g.weight_version for g in rollout.groups} == {1}
+        assert rollout.metrics.rollout_to_train_end_s > 0
