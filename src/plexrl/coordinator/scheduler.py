@@ -1,6 +1,6 @@
 """The scheduler: a pure policy object. Events in, actions out; no I/O, no clock of its own.
 
-The coordinator's server feeds it real events on real time; ``plexrl.sim`` will feed the same
+The coordinator's server feeds it real events on real time; ``plexrl.sim`` feeds the same
 object virtual events. Time (``now``) is an argument, ties are broken by submission order, so a
 run replays exactly.
 
@@ -250,14 +250,6 @@ class Scheduler:
         self.ledger = Ledger()
 
     # -- queries (for status and accounting) ----------------------------------------------------
-
-    def home_of(self, job_id: str) -> str | None:
-        job = self._jobs.get(job_id)
-        return job.home if job else None
-
-    def sampler_of(self, job_id: str) -> str | None:
-        job = self._jobs.get(job_id)
-        return job.sampler if job else None
 
     def queued(self, job_id: str) -> int:
         job = self._jobs.get(job_id)
