@@ -3,8 +3,7 @@
 A job's accelerator-seconds are its exclusive call time, plus its share of time a device spent
 on several calls at once (a vLLM worker batching many jobs' generates: each of ``n`` running
 calls is charged ``1/n`` of the time), plus the transitions done for it. A device is busy while
-it runs at least one call. What a job would pay on a dedicated device is its wall time there;
-``cost_vs_held`` compares its accelerator-seconds with holding a device for its whole life.
+it runs at least one call. What a job would pay on a dedicated device is its wall time there.
 """
 
 from __future__ import annotations
@@ -24,11 +23,6 @@ class JobUsage:
 
     def wall_s(self, now: float) -> float:
         return (self.closed_s if self.closed_s is not None else now) - self.opened_s
-
-    def cost_vs_held(self, now: float) -> float:
-        """Accelerator-seconds over the seconds a device held for this job alone would bill."""
-        wall = self.wall_s(now)
-        return self.accelerator_s / wall if wall > 0 else 0.0
 
 
 @dataclass(slots=True)

@@ -204,9 +204,6 @@ class _Job:
     def lanes_on(self, worker_id: str) -> list[str]:
         return [lane for lane in (TRAINER, SAMPLER) if (self.home if lane == TRAINER else self.sampler) == worker_id]
 
-    def busy(self) -> bool:
-        return bool(self.unfinished)
-
     def idle_on(self, worker_id: str) -> bool:
         return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id))
 

@@ -337,16 +337,15 @@ class Coordinator:
         if job is not None:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
-            result = rec.held.result if rec.held is not None else msg.result
+            result = rec.held.result if rec.held is not None else msg.result  # the home worker's
             self._send(
                 rec.client,
                 m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s),
             )
-            msg = rec.held or msg
+            if isinstance(result, calls.Opened):
+                self._apply(sch.JobSized(rec.job_id, result.state_bytes))
         else:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
-        if isinstance(msg, m.CallDone) and isinstance(msg.result, calls.Opened):
-            self._apply(sch.JobSized(rec.job_id, msg.result.state_bytes))
         self._apply(sch.CallFinished(rec.call_id))
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
         if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:

@@ -42,7 +42,6 @@ class JobResult:
     started_s: float = 0.0
     finished_s: float | None = None  # None: did not finish (failed, or the run was cut short)
     accelerator_s: float = 0.0  # its calls' device time (its share when batched) + its transitions
-    alone_s: float = 0.0  # what its calls would have taken alone on a device
     calls: int = 0
     error: str = ""
 
@@ -238,7 +237,6 @@ class Simulation:
         device.running[call_id] = _Running(call_id, job_id, work, left, self.now)
         result = self._jobs[job_id].result
         result.calls += 1
-        result.alone_s += work.alone_s
         if not device.completing:
             self._reschedule(worker_id, device)
 

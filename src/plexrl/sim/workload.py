@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
@@ -74,8 +73,9 @@ class Work:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
+    """A tool call: time passing off the accelerator."""
+
     seconds: float
-    kind: Literal["tool"] = "tool"
 
 
 def program(model: JobModel, rng: np.random.Generator) -> Iterator[Work | Wait]:

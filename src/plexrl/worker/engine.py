@@ -59,8 +59,7 @@ class Engine:
     def start(self, job_id: str, call: Call, priority: int = 0) -> Future[Result] | None:
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
-            if job.host_state is not None:
-                self._mover.to_device(job)
+            self._resident(job, job_id, call)
             return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
         return None
 
@@ -86,12 +85,8 @@ class Engine:
         if isinstance(call, Open):
             return self._open(job_id, call.spec)
         job = self._job(job_id)
-        if job.host_state is not None and not isinstance(call, Close):  # the scheduler moves it in first;
-            # this is the safety net
-            log.warning(
-                "job %s's state was in the host store when its %s arrived: moving it in", job_id, type(call).__name__
-            )
-            self._mover.to_device(job)
+        if not isinstance(call, Close):  # closing frees the state wherever it is
+            self._resident(job, job_id, call)
         match call:
             case Generate(prompts=prompts, params=params):
                 return job.generate(prompts, params)
@@ -113,6 +108,14 @@ class Engine:
                 del self._jobs[job_id]
                 return job.close()
         raise InvalidRequestError(f"the engine cannot execute {type(call).__name__} calls")
+
+    def _resident(self, job: Job, job_id: str, call: Call) -> None:
+        """The scheduler moves state in before a call; this is the safety net if it did not."""
+        if job.host_state is not None:
+            log.warning(
+                "job %s's state was in the host store when its %s arrived: moving it in", job_id, type(call).__name__
+            )
+            self._mover.to_device(job)
 
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)

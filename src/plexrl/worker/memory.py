@@ -112,16 +112,7 @@ class Mover:
             return Moved(HOST, 0, 0.0)
         start = time.perf_counter()
         refs = state_refs(job)
-        store: dict[str, Tensor] = {}
-        with self._on_side_stream():
-            for key, ref in refs.items():
-                t = ref.get()
-                if t is None:
-                    continue
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
-                host.copy_(t, non_blocking=self._cuda)
-                store[key] = host
-        self._wait()
+        store = self._copy({k: t for k, r in refs.items() if (t := r.get()) is not None}, to_host=True)
         for key in reversed(list(refs)):  # gradients before their parameters
             ref = refs[key]
             if key in store:
@@ -136,25 +127,27 @@ class Mover:
             return Moved(DEVICE, 0, 0.0)
         start = time.perf_counter()
         refs = state_refs(job)
-        placed: dict[str, Tensor] = {}
-        with self._on_side_stream():
-            for key, host in store.items():
-                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-                dev.copy_(host, non_blocking=self._cuda)
-                placed[key] = dev
-        self._wait()
+        placed = self._copy(store, to_host=False)
         for key, ref in refs.items():  # parameters, then gradients and moments
             if key in placed:
                 ref.put(placed[key])
         job.host_state = None
         return Moved(DEVICE, sum(t.nbytes for t in placed.values()), time.perf_counter() - start)
 
-    def _on_side_stream(self) -> contextlib.AbstractContextManager[object]:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers first
-        return torch.cuda.stream(self._stream)
-
-    def _wait(self) -> None:
+    def _copy(self, tensors: dict[str, Tensor], to_host: bool) -> dict[str, Tensor]:
+        """Copies of ``tensors`` in the host store (pinned on CUDA) or on the device, made on the
+        side stream and complete when this returns."""
+        side = contextlib.nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers first
+        copies: dict[str, Tensor] = {}
+        with side:
+            for key, t in tensors.items():
+                if to_host:
+                    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+                else:
+                    copy = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                copies[key] = copy.copy_(t, non_blocking=self._cuda)
         if self._stream is not None:
             self._stream.synchronize()
+        return copies
