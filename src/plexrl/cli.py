@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     _memory_budget(p, default=8 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
+        "--cpus",
+        type=parse_cpus,
+        default=None,
+        help="CPU cores to pin the worker and its vLLM engine to, e.g. 1 or 2-3 (so that one worker stands "
+        "for one device: two pinned workers never share a core); its torch threads default to their count",
+    )
+    p.add_argument(
         "--sampler",
         choices=["vllm", "hf"],
         default=None,
@@ -67,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=[1, 8, 16, 32, 64, 128, 256],
         default=8,
         help="vllm: the largest LoRA rank jobs may use (every adapter is padded to it; keep it small)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="vllm: the most sequences the engine decodes at once (vLLM's max_num_seqs; default vLLM's own); "
+        "a small value makes a rollout hold more requests than slots, as on a busy rollout node",
     )
     _common(p)
 
@@ -147,10 +161,18 @@ def _worker(args: argparse.Namespace) -> int:
     # Idle OpenMP threads spinning after each op would steal the cores that the coordinator,
     # the clients and other workers need between calls. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if args.threads:
+    threads = args.threads
+    if args.cpus:
+        # Before torch and vLLM start: the engine's processes inherit the mask, and vLLM's CPU
+        # backend binds its OpenMP threads to the cores this variable lists.
+        os.sched_setaffinity(0, args.cpus)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, args.cpus))
+        os.environ["OMP_NUM_THREADS"] = str(threads or len(args.cpus))
+        threads = threads or len(args.cpus)
+    if threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     config = WorkerConfig(
         coordinator=args.coordinator,
         device=args.device,
@@ -159,6 +181,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         sampler=args.sampler or default_sampler(),
         max_lora_rank=args.max_lora_rank,
+        max_num_seqs=args.max_num_seqs,
     )
     run_worker(config)
     return 0
@@ -214,6 +237,23 @@ async def _status(args: argparse.Namespace) -> int:
             f"{j.sampler_worker_id or j.worker_id:>8}"
         )
     return 0
+
+
+def parse_cpus(text: str) -> list[int]:
+    """``'1'``, ``'0,2'``, ``'2-3'`` -> sorted core ids, each one this process may run on."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list: write core ids like 1, 0,2 or 2-3") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise argparse.ArgumentTypeError(
+            f"CPU list {text!r} names cores this machine does not offer here; allowed: {','.join(map(str, sorted(allowed)))}"
+        )
+    return sorted(cores)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}

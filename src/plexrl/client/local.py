@@ -38,6 +38,8 @@ class LocalCluster:
         sampler: str | None = None,
         policy: str = "fifo",
         memory_budget_bytes: int | None = None,
+        cpus_per_worker: int | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -53,6 +55,10 @@ class LocalCluster:
         self.sampler = sampler  # "vllm" | "hf"; None = the worker's default
         self.policy = policy  # the coordinator's scheduling policy: fifo | dedicated | plex
         self.memory_budget_bytes = memory_budget_bytes  # each worker's device budget (None: its default)
+        self.max_num_seqs = max_num_seqs  # vLLM workers: sequences decoded at once (None: vLLM's default)
+        # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
+        # which run on the first, rarely compete with a worker); None: no pinning.
+        self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
         self.address = ""
         self.coordinator: asyncio.subprocess.Process | None = None
         self.worker_processes: list[asyncio.subprocess.Process] = []
@@ -106,7 +112,9 @@ class LocalCluster:
                 "--coordinator", self.address,
                 "--device", self.device,
                 "--name", f"local-{i}",
-                "--threads", str(self.threads_per_worker),
+                *(["--cpus", ",".join(map(str, self.cores[i]))] if self.cores else
+                  ["--threads", str(self.threads_per_worker)]),
+                *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
                 *(["--sampler", self.sampler] if self.sampler else []),
                 *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
                 *extra,
@@ -141,6 +149,18 @@ class LocalCluster:
                 await p.wait()
         self.worker_processes = []
         self.coordinator = None
+
+
+def _worker_cores(workers: int, per_worker: int) -> list[list[int]]:
+    """Disjoint core lists for ``workers`` workers of ``per_worker`` cores each, from the last core down."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if workers * per_worker > len(allowed):
+        raise LocalClusterError(
+            f"{workers} workers of {per_worker} core(s) each need {workers * per_worker} cores; this process may "
+            f"use {len(allowed)} ({','.join(map(str, allowed))}): use fewer workers or cpus_per_worker=None"
+        )
+    top = allowed[len(allowed) - workers * per_worker :]
+    return [top[i * per_worker : (i + 1) * per_worker] for i in range(workers)]
 
 
 def local(workers: int = 1, **options: Any) -> LocalCluster:

@@ -342,12 +342,13 @@ class Scheduler:
             most = max(w.memory_bytes for w in self._workers.values())
             err = NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
             return [Fail(job_id, None, err)]
-        if self.policy == "dedicated":
-            fitting = [w for w in fitting if not w.jobs]
-            if not fitting:
+        if self.policy == "dedicated":  # a worker of its own (two for a disaggregated job)
+            fitting = [w for w in fitting if not w.jobs and not w.samplers]
+            free = len([w for w in self._workers.values() if not w.jobs and not w.samplers])
+            if not fitting or (disaggregated and free < 2):
                 err = NoWorkersError(
-                    "policy 'dedicated' runs one job per worker and every worker that fits this job holds "
-                    "one: add a worker, close a job, or use a multiplexing policy"
+                    "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
+                    "workers are free: add a worker, close a job, or use a multiplexing policy"
                 )
                 return [Fail(job_id, None, err)]
         if self.policy == "plex":
@@ -361,6 +362,8 @@ class Scheduler:
         sampler = worker
         if disaggregated:  # the other worker with the fewest sampler lanes (then fewest jobs)
             others = [w for w in self._workers.values() if w is not worker]
+            if self.policy == "dedicated":
+                others = [w for w in others if not w.jobs and not w.samplers]
             sampler = min(others, key=lambda w: (len(w.samplers), len(w.jobs)))
             sampler.samplers.add(job_id)
         job = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
@@ -372,21 +375,24 @@ class Scheduler:
         return [Place(job_id, worker.worker_id, sampler.worker_id if disaggregated else "")]
 
     def _pack(self, fitting: list[_Worker], state_bytes: int, base: str, now: float) -> _Worker:
-        """Plex placement: fill devices instead of spreading jobs thin. Among workers with room
-        (expected busy fraction and device memory): the fullest whose jobs share this job's base
-        model (their generates batch together), else an empty one, else the fullest; with room
-        nowhere, the least loaded."""
+        """Plex placement: fill devices instead of spreading jobs thin, and keep a base model's jobs
+        together (their generates batch). Among workers with room (expected busy fraction and
+        device memory): the fullest whose jobs share this job's base, else an empty one, else the
+        fullest. With room nowhere: the least loaded worker of its base, else the least loaded."""
         loads = {w.worker_id: sum(self._load(j, now) for j in w.jobs) for w in fitting}
+        same_base = {w.worker_id for w in fitting if any(self._jobs[j].base == base for j in w.jobs)}
         room = [
             w
             for w in fitting
             if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.memory_bytes
         ]
         if not room:
-            return min(fitting, key=lambda w: loads[w.worker_id])
-        same_base = {w.worker_id for w in room if any(self._jobs[j].base == base for j in w.jobs)}
-        if same_base:  # the fullest of them
-            return min((w for w in room if w.worker_id in same_base), key=lambda w: -loads[w.worker_id])
+            # A full pool: its load is shared anyway, so its base decides (a base alone on a
+            # device pays the whole weight read of every decode step).
+            return min([w for w in fitting if w.worker_id in same_base] or fitting, key=lambda w: loads[w.worker_id])
+        same = [w for w in room if w.worker_id in same_base]
+        if same:  # the fullest of them
+            return min(same, key=lambda w: -loads[w.worker_id])
         empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base
         return empty[0] if empty else min(room, key=lambda w: -loads[w.worker_id])
 

@@ -2,23 +2,29 @@
 
     python -m plexrl.models.pretrain [--out DIR] [--steps N] [--seed S] [--lr LR]
 
-A Qwen2 decoder with :data:`ARITH_CONFIG` learns the answers to a mixture of the tasks' training
-problems (cross-entropy on the answer and EOS only). Tasks are learnt at very different speeds
-(reversal in a couple of hundred steps, then near perfectly; addition in about a thousand), so
-each task's share of the batch is steered by its validation accuracy into :attr:`Recipe.band`,
-and training stops when every task is in it: the model gets some held-out problems right and
-many wrong, so GRPO has reward to gain and groups whose rewards differ. At the end it reports the held-out greedy accuracy and the mean
-reward of temperature-1 samples per task, saves the model (float32 safetensors), tokenizer files
-and a generation config, and writes ``MODEL_CARD.md`` with those numbers and the exact command.
+A Qwen2 decoder with :data:`ARITH_CONFIG` learns the reference completions of a mixture of the
+tasks' training problems (cross-entropy on the learned pieces of each completion and EOS only;
+see ``Task.segments``). The mixture is :attr:`Recipe.tasks`: any task in ``plexrl.tasks.TASKS``
+joins it by name. Tasks are learnt at very different speeds (reversal in a couple of hundred
+steps, then near perfectly; addition in about a thousand), so each task's share of the batch is
+steered by its validation accuracy into :attr:`Recipe.band`, and training stops when every task
+is in it: the model gets some held-out problems right and many wrong, so GRPO has reward to gain
+and groups whose rewards differ. Rows of very different lengths (``sum``'s worked solutions run
+to hundreds of tokens) are trained in micro-batches of similar length, so padding stays small.
+At the end it reports the held-out greedy accuracy and the mean reward of temperature-1 samples
+per task (and, for ``sum``, accuracy by the number of terms and the length of its samples),
+saves the model (float32 safetensors), tokenizer files and a generation config, and writes
+``MODEL_CARD.md`` with those numbers and the exact command.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,31 +41,34 @@ from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task
 ARITH_CONFIG: dict[str, Any] = dict(TINY_CONFIG)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-arith"
-MAX_NEW_TOKENS = 8  # the longest answer (7 letters of rev) plus EOS
 SAMPLES_PER_PROBLEM = 4  # temperature-1 samples per held-out problem for the sampled reward
+GENERATE_BATCH = 64  # prompts per generate call when evaluating
 
 
 @dataclass(frozen=True)
 class Recipe:
     """How the model is trained; every field goes into the model card."""
 
-    max_steps: int = 4000
+    max_steps: int = 2500
     seed: int = 0
     problems_below_band: int = 43  # per step, for each task whose validation accuracy is below the band
     problems_in_band: int = 8  # per step, for each task in the band; a task above it gets none
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak, after a linear warmup; then cosine decay to lr / 10 at max_steps
     warmup_steps: int = 100
     weight_decay: float = 0.01
-    band: tuple[float, float] = (0.25, 0.45)  # the validation greedy accuracy each task is steered into
+    band: tuple[float, float] = (0.25, 0.55)  # the validation greedy accuracy each task is steered into
     check_every: int = 25  # steps between validation checks
     validation_size: int = 100  # per task, drawn from the training side and kept out of training
-    tasks: tuple[str, ...] = ("add", "mul", "rev")
+    tokens_per_micro_batch: int = 4096  # rows x padded length of one forward/backward
+    tasks: tuple[str, ...] = ("add", "mul", "rev", "sum")
 
 
 @dataclass(frozen=True)
 class Scores:
     greedy_accuracy: float  # fraction of the held-out set answered exactly, greedy decoding
     sampled_reward: float  # mean reward of temperature-1 samples on the held-out set
+    sampled_lengths: list[int] = field(default_factory=list)  # new tokens of each temperature-1 sample
+    by_terms: dict[int, tuple[int, float]] = field(default_factory=dict)  # sum: terms -> (problems, greedy accuracy)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,18 +111,19 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
     tok = CharTokenizer()
     validation = {name: _validation_set(TASKS[name], recipe) for name in recipe.tasks}
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe.warmup_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
     counts = {name: recipe.problems_below_band for name in recipe.tasks}
     for step in range(1, recipe.max_steps + 1):
         model.train()
-        problems = [p for name, n in counts.items() for p in _training_problems(TASKS[name], n, rng, validation[name])]
-        input_ids_B_T, labels_B_T, attention_B_T = _training_batch(problems, tok)
-        logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_B_T).logits
-        loss = F.cross_entropy(logits_B_T_V[:, :-1].flatten(0, 1), labels_B_T[:, 1:].flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        rows = [
+            _training_row(TASKS[name], p, tok)
+            for name, n in counts.items()
+            for p in _training_problems(TASKS[name], n, rng, validation[name])
+        ]
+        loss = _train_step(model, rows, recipe.tokens_per_micro_batch, tok.pad_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         schedule.step()
         if step % recipe.check_every == 0 or step == recipe.max_steps:
             model.eval()
@@ -121,7 +131,7 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
             counts = {name: _problems_per_step(a, recipe) for name, a in accuracy.items()}
             shown = "  ".join(f"{name} {a:.2f}" for name, a in accuracy.items())
             print(
-                f"step {step}  loss {loss.item():.4f}  elapsed {time.monotonic() - start:.0f}s  "
+                f"step {step}  loss {loss:.4f}  elapsed {time.monotonic() - start:.0f}s  "
                 f"validation greedy accuracy: {shown}",
                 flush=True,
             )
@@ -131,6 +141,15 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
                 print("every task is above the band; stopping here", flush=True)
                 return model.eval(), step
     return model.eval(), recipe.max_steps
+
+
+def _lr_factor(step: int, recipe: Recipe) -> float:
+    """Linear warmup, then cosine decay to a tenth: late steps move a nearly steered model gently
+    (a constant rate made a task's accuracy swing by tens of points between checks)."""
+    if step < recipe.warmup_steps:
+        return (step + 1) / recipe.warmup_steps
+    done = (step - recipe.warmup_steps) / max(1, recipe.max_steps - recipe.warmup_steps)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 def _problems_per_step(accuracy: float, recipe: Recipe) -> int:
@@ -158,67 +177,124 @@ def _training_problems(task: Task, n: int, rng: np.random.Generator, validation:
     return problems
 
 
-def _training_batch(problems: list[Problem], tok: CharTokenizer) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded ``[bos] prompt answer [eos]`` rows; labels only on the answer and EOS."""
-    rows, answer_starts = [], []
-    for p in problems:
-        prompt = tok.encode(p.prompt)
-        rows.append([*prompt, *tok.encode(p.answer, bos=False), tok.eos_id])
-        answer_starts.append(len(prompt))
-    T = max(len(r) for r in rows)
-    input_ids_B_T = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+def _training_row(task: Task, problem: Problem, tok: CharTokenizer) -> tuple[list[int], list[bool]]:
+    """``[bos] prompt completion [eos]`` and which positions are learned (the learned segments and EOS)."""
+    ids = tok.encode(problem.prompt)
+    learned = [False] * len(ids)
+    for text, learn in task.segments(problem):
+        piece = tok.encode(text, bos=False)
+        ids += piece
+        learned += [learn] * len(piece)
+    return [*ids, tok.eos_id], [*learned, True]
+
+
+def _train_step(model: Any, rows: list[tuple[list[int], list[bool]]], tokens_per_micro_batch: int, pad_id: int) -> float:
+    """Accumulate the gradient of the mean cross-entropy over every learned token of ``rows``.
+
+    Rows go in order of length into micro-batches of at most ``tokens_per_micro_batch`` padded
+    tokens, so a step of mostly short rows and a few long ones pads little.
+    """
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    learned_total = sum(sum(learned[1:]) for _, learned in rows)
+    total, batch = 0.0, []
+    for n, i in enumerate(order):
+        batch.append(rows[i])
+        longest = len(batch[-1][0])
+        following = len(rows[order[n + 1]][0]) if n + 1 < len(order) else 0
+        if n + 1 < len(order) and (len(batch) + 1) * following <= tokens_per_micro_batch:
+            continue
+        input_ids_B_T, labels_B_T, attention_B_T = _right_padded(batch, longest, pad_id)
+        logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_B_T).logits
+        loss = F.cross_entropy(
+            logits_B_T_V[:, :-1].flatten(0, 1), labels_B_T[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+        )
+        (loss / learned_total).backward()
+        total += loss.item()
+        batch = []
+    return total / learned_total
+
+
+def _right_padded(rows: list[tuple[list[int], list[bool]]], T: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    input_ids_B_T = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels_B_T = torch.full((len(rows), T), -100, dtype=torch.long)
     attention_B_T = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (row, a) in enumerate(zip(rows, answer_starts, strict=True)):
-        input_ids_B_T[i, : len(row)] = torch.tensor(row)
-        labels_B_T[i, a : len(row)] = torch.tensor(row[a:])
-        attention_B_T[i, : len(row)] = 1
+    for i, (ids, learned) in enumerate(rows):
+        row = torch.tensor(ids)
+        input_ids_B_T[i, : len(ids)] = row
+        labels_B_T[i, : len(ids)] = torch.where(torch.tensor(learned), row, -100)
+        attention_B_T[i, : len(ids)] = 1
     return input_ids_B_T, labels_B_T, attention_B_T
 
 
 @torch.no_grad()
-def complete(model: Any, prompts: list[str], temperature: float, generator: torch.Generator | None = None) -> list[str]:
-    """One completion per prompt (greedy when ``temperature`` is 0), decoded up to EOS.
+def complete(
+    model: Any, prompts: list[str], temperature: float, max_new_tokens: list[int], seed: int = 0
+) -> list[list[int]]:
+    """One completion per prompt (greedy when ``temperature`` is 0) of at most ``max_new_tokens[i]``
+    tokens: its new tokens up to EOS, included.
 
-    Rows are left-padded with explicit position ids; no KV cache, since sequences are short.
+    transformers ``generate`` with a KV cache on left-padded prompts, batched by budget (a batch
+    decodes for its largest budget, and rows are cut to their own); sampling is deterministic
+    given ``seed`` (and leaves the caller's global RNG alone).
     """
+    from transformers import GenerationConfig
+
     tok = CharTokenizer()
-    encoded = [tok.encode(p) for p in prompts]
-    T = max(len(e) for e in encoded)
-    ids_B_T = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in encoded])
-    attention_B_T = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in encoded])
-    done_B = torch.zeros(len(prompts), dtype=torch.bool)
-    for _ in range(MAX_NEW_TOKENS):
-        positions_B_T = (attention_B_T.cumsum(dim=1) - 1).clamp(min=0)
-        logits_B_V = model(input_ids=ids_B_T, attention_mask=attention_B_T, position_ids=positions_B_T).logits[:, -1]
-        if temperature == 0.0:
-            next_B = logits_B_V.argmax(dim=-1)
-        else:
-            probs_B_V = torch.softmax(logits_B_V.float() / temperature, dim=-1)
-            next_B = torch.multinomial(probs_B_V, 1, generator=generator).squeeze(1)
-        next_B = torch.where(done_B, tok.pad_id, next_B)
-        done_B |= next_B == tok.eos_id
-        ids_B_T = torch.cat([ids_B_T, next_B[:, None]], dim=1)
-        attention_B_T = torch.cat([attention_B_T, torch.ones_like(next_B)[:, None]], dim=1)
-        if done_B.all():
-            break
-    return [tok.decode(row[T:].tolist()) for row in ids_B_T]
+    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+    order = sorted(range(len(prompts)), key=lambda i: (max_new_tokens[i], len(prompts[i])))
+    completions: list[list[int]] = [[] for _ in prompts]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(order), GENERATE_BATCH):
+            chunk = order[start : start + GENERATE_BATCH]
+            config = GenerationConfig(
+                max_new_tokens=max(max_new_tokens[i] for i in chunk),
+                do_sample=temperature > 0,
+                eos_token_id=tok.eos_id,
+                pad_token_id=tok.pad_id,
+                **sampling,
+            )
+            encoded = [tok.encode(prompts[i]) for i in chunk]
+            T = max(len(e) for e in encoded)
+            ids_B_T = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in encoded])
+            attention_B_T = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in encoded])
+            out = model.generate(input_ids=ids_B_T, attention_mask=attention_B_T, generation_config=config)
+            for i, row in zip(chunk, out[:, T:].tolist(), strict=True):
+                row = row[: max_new_tokens[i]]
+                completions[i] = row[: row.index(tok.eos_id) + 1] if tok.eos_id in row else row
+    return completions
 
 
 def greedy_accuracy(model: Any, task: Task, problems: list[Problem]) -> float:
-    completions = complete(model, [p.prompt for p in problems], temperature=0.0)
-    return float(np.mean([task.score(p, c) for p, c in zip(problems, completions, strict=True)]))
+    """Greedy accuracy, each answer given the reference's length and a few tokens to spare (a
+    longer one is not the worked solution): cheap enough to check long tasks often."""
+    tok = CharTokenizer()
+    budgets = [min(task.max_tokens, len(tok.encode(p.answer, bos=False)) + 4) for p in problems]
+    completions = complete(model, [p.prompt for p in problems], 0.0, budgets)
+    return float(np.mean(_scores(task, problems, completions)))
+
+
+def _scores(task: Task, problems: list[Problem], completions: list[list[int]]) -> list[float]:
+    tok = CharTokenizer()
+    return [task.score(p, tok.decode(c)) for p, c in zip(problems, completions, strict=True)]
 
 
 def evaluate(model: Any, task: Task, seed: int) -> Scores:
     """Greedy accuracy and mean temperature-1 reward of ``model`` on ``task``'s held-out set."""
     problems = task.eval_set()
     repeated = problems * SAMPLES_PER_PROBLEM
-    generator = torch.Generator().manual_seed(seed)
-    sampled = complete(model, [p.prompt for p in repeated], temperature=1.0, generator=generator)
+    sampled = complete(model, [p.prompt for p in repeated], 1.0, [task.max_tokens] * len(repeated), seed=seed)
+    greedy = complete(model, [p.prompt for p in problems], 0.0, [task.max_tokens] * len(problems))
+    right = _scores(task, problems, greedy)
+    by_terms: dict[int, list[float]] = {}
+    if task.name == "sum":
+        for p, r in zip(problems, right, strict=True):
+            by_terms.setdefault(p.prompt.count("+") + 1, []).append(r)
     return Scores(
-        greedy_accuracy=greedy_accuracy(model, task, problems),
-        sampled_reward=float(np.mean([task.score(p, c) for p, c in zip(repeated, sampled, strict=True)])),
+        greedy_accuracy=float(np.mean(right)),
+        sampled_reward=float(np.mean(_scores(task, repeated, sampled))),
+        sampled_lengths=[len(c) for c in sampled],
+        by_terms={k: (len(v), float(np.mean(v))) for k, v in sorted(by_terms.items())},
     )
 
 
@@ -230,7 +306,8 @@ def save(model: Any, out: Path) -> None:
     hf_logging.disable_progress_bar()
     tok = CharTokenizer()
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, max_new_tokens=MAX_NEW_TOKENS
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        max_new_tokens=max(task.max_tokens for task in TASKS.values()),
     )
     model.save_pretrained(out, safe_serialization=True)
     write_hf_tokenizer(out, tok)
@@ -247,7 +324,14 @@ def write_model_card(
         f"- `{name}`: `{TASKS[name].eval_set()[0].prompt}` -> `{TASKS[name].eval_set()[0].answer}`"
         for name in recipe.tasks
     )
-    table = "\n".join(f"| {name} | {s.greedy_accuracy:.3f} | {s.sampled_reward:.3f} |" for name, s in scores.items())
+    table = "\n".join(
+        f"| {name} | {s.greedy_accuracy:.3f} | {s.sampled_reward:.3f} | {_percentiles(s.sampled_lengths)} |"
+        for name, s in scores.items()
+    )
+    terms = "\n".join(
+        f"| {label} | {sum(n for n, _ in rows)} | {sum(n * a for n, a in rows) / sum(n for n, _ in rows):.3f} |"
+        for label, rows in _term_buckets(scores).items()
+    )
     card = f"""# tiny-arith
 
 plexrl's shipped task model: a small Qwen2 decoder pretrained from scratch by
@@ -275,7 +359,7 @@ deliberately only to *partial* competence so that RL (GRPO) has held-out reward 
   times faster than addition and, once learnt, is near perfect; without steering it would be
   solved long before addition started.)
 - Loss: cross-entropy on the answer tokens and EOS only.
-- Optimiser: AdamW, lr {recipe.lr:g} after {recipe.warmup_steps} linear warmup steps, weight decay {recipe.weight_decay:g},
+- Optimiser: AdamW, peak lr {recipe.lr:g} after {recipe.warmup_steps} linear warmup steps, cosine decay to a tenth at step {recipe.max_steps}, weight decay {recipe.weight_decay:g},
   gradient norm clipped at 1.0; seed {recipe.seed}.
 - Steps: {steps} (cap {recipe.max_steps}).
 - Time: {train_seconds:.0f} s of training (checks included) on 2 CPU threads, torch {torch.__version__}.
@@ -284,12 +368,19 @@ deliberately only to *partial* competence so that RL (GRPO) has held-out reward 
 ## Baseline held-out scores
 
 On each task's `eval_set()` ({EVAL_SIZE} problems, disjoint from all training problems): greedy
-accuracy, and the mean reward of temperature-1 samples ({SAMPLES_PER_PROBLEM} per problem, up to {MAX_NEW_TOKENS} new
+accuracy, and the mean reward of temperature-1 samples ({SAMPLES_PER_PROBLEM} per problem, up to the task's `max_tokens` new
 tokens, no top-k/top-p), which is what RL starts from.
 
-| task | greedy accuracy | T=1 mean reward |
-|---|---|---|
+| task | greedy accuracy | T=1 mean reward | T=1 sample length, tokens: p50 / p90 / p99 / max |
+|---|---|---|---|
 {table}
+
+`sum`'s worked solutions make its sample lengths heavy-tailed, and its accuracy falls with the
+number of terms (each addition is another chance to slip). Greedy accuracy by terms:
+
+| terms | problems | greedy accuracy |
+|---|---|---|
+{terms}
 
 ## Notes for RL
 
@@ -299,6 +390,21 @@ most of all). Expect RL to raise reward quickly, especially on `rev`, and prefer
 when a run should show a gradual curve.
 """
     (out / "MODEL_CARD.md").write_text(card)
+
+
+def _percentiles(lengths: list[int]) -> str:
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return f"{p50:.0f} / {p90:.0f} / {p99:.0f} / {max(lengths)}"
+
+
+def _term_buckets(scores: dict[str, Scores]) -> dict[str, list[tuple[int, float]]]:
+    """``sum``'s accuracy by terms, in buckets 2, 3, 4, 5-7, 8-15, 16+."""
+    buckets: dict[str, list[tuple[int, float]]] = {}
+    by_terms = scores["sum"].by_terms if "sum" in scores else {}
+    for k, row in by_terms.items():
+        label = next(name for name, lo in (("16+", 16), ("8-15", 8), ("5-7", 5), (str(k), 0)) if k >= lo)
+        buckets.setdefault(label, []).append(row)
+    return buckets
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The tiny random decoder plexrl tests, demos and benchmarks run on (no model hub needed).
 
 Qwen2 architecture so both samplers load it: vLLM's CPU attention needs a head size of 32 or
-more, hence 128 hidden / 4 heads. Weights are random but deterministic given the seed.
+more, hence 128 hidden / 4 heads. 1024 positions (RoPE: positions cost no parameters) leave room
+for the worked solutions of ``sum`` and for multi-turn trajectories. Weights are random but
+deterministic given the seed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ TINY_CONFIG: dict[str, Any] = {
     "num_key_value_heads": 2,
     "num_hidden_layers": 4,
     "intermediate_size": 256,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 1024,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 0,

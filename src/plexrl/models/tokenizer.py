@@ -114,7 +114,7 @@ def write_hf_tokenizer(path: str | Path, tokenizer: CharTokenizer | None = None)
         "unk_token": None,  # Qwen2Tokenizer would otherwise add "<|endoftext|>" as a 65th token
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 256,
+        "model_max_length": 1024,
         "padding_side": "left",  # for batched generation
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

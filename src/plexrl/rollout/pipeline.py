@@ -29,19 +29,20 @@ import inspect
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import numpy as np
 
 from plexrl.errors import InvalidRequestError
-from plexrl.protocol.calls import Generated, OptimStepResult
+from plexrl.protocol.calls import ForwardBackwardResult, Generated, OptimStepResult
 from plexrl.rollout.advantages import group_advantages
 from plexrl.types import Batch, LossConfig, Sample, SamplingParams
 
 if TYPE_CHECKING:
     from plexrl.client.job import Job
 
+R = TypeVar("R")
 Reward = Callable[[int, Sample], float | Awaitable[float]]  # (prompt index, sample) -> reward
 ADMISSIONS = ("frontier", "arrival")
 
@@ -212,39 +213,58 @@ async def train(
     loss_config: LossConfig | None = None,
     metrics: RolloutMetrics | None = None,
 ) -> OptimStepResult:
-    """Train on groups FIFO as they come: ``forward_backward`` every ``per_call`` groups (the
-    gradients accumulate), one ``optim_step`` once the groups run out. Returns the step. The
-    trainer's busy time and end go to ``metrics`` (a ``Rollout``'s own by default)."""
+    """Train on groups FIFO as they come: a ``forward_backward`` every ``per_call`` groups (the
+    gradients accumulate), one ``optim_step`` once the groups have run out and every
+    ``forward_backward`` succeeded. Returns the step.
+
+    Each ``forward_backward`` is submitted the moment its groups are in, without waiting for the
+    one before (the job's trainer lane runs them in order), so the trainer never idles on a round
+    trip: a list of groups given at once goes to the trainer as one back-to-back batch of calls,
+    the same calls a rollout streams. The trainer's busy time and end go to ``metrics`` (a
+    ``Rollout``'s own by default); a call counts as busy from its submission, or from the end of
+    the call before it, to its answer.
+    """
     if per_call < 1:
         raise InvalidRequestError(f"per_call={per_call}: train on at least one group per call")
     if metrics is None and isinstance(groups, Rollout):
         metrics = groups.metrics
     busy = metrics.trainer_busy if metrics is not None else []
     pending: list[Group] = []
-    trained = 0
+    calls: list[asyncio.Future[ForwardBackwardResult]] = []
+    previous_end: list[float] = [0.0]  # the answer time of the call submitted before
 
-    async def step(batch: list[Group]) -> None:
+    async def timed(call: Awaitable[R], after: asyncio.Future[ForwardBackwardResult] | None) -> R:
+        submitted = time.perf_counter()
+        result = await call
+        end = time.perf_counter()
+        if after is not None and not after.done():
+            await after
+        busy.append((max(submitted, previous_end[0]), end))
+        previous_end[0] = end
+        return result
+
+    def submit(batch: list[Group]) -> None:
         merged = _concat([g.batch() for g in batch])
-        start = time.perf_counter()
-        await job.forward_backward(merged, loss, loss_config)
-        busy.append((start, time.perf_counter()))
+        before = calls[-1] if calls else None
+        calls.append(asyncio.ensure_future(timed(job.forward_backward(merged, loss, loss_config), before)))
 
-    async for group in _as_async(groups):
-        pending.append(group)
-        if len(pending) == per_call:
-            await step(pending)
-            trained, pending = trained + len(pending), []
-    if pending:
-        await step(pending)
-        trained += len(pending)
-    if trained == 0:
-        raise InvalidRequestError("no group to train on (all dropped as zero-variance?): nothing was applied")
-    start = time.perf_counter()
-    result = await job.optim_step()
-    end = time.perf_counter()
-    busy.append((start, end))
+    try:
+        async for group in _as_async(groups):
+            pending.append(group)
+            if len(pending) == per_call:
+                submit(pending)
+                pending = []
+        if pending:
+            submit(pending)
+        if not calls:
+            raise InvalidRequestError("no group to train on (all dropped as zero-variance?): nothing was applied")
+        await asyncio.gather(*calls)
+    finally:
+        for call in calls:
+            call.cancel()
+    result = await timed(job.optim_step(), None)
     if metrics is not None:
-        metrics.train_end_s = end
+        metrics.train_end_s = previous_end[0]
     return result
 
 

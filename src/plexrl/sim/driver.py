@@ -178,7 +178,8 @@ class Simulation:
 
     def _open(self, job_id: str) -> None:
         job = self._jobs[job_id]
-        self._handle(sch.JobOpened(job_id, job.model.state_bytes, base=job.model.base))
+        model = job.model
+        self._handle(sch.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated))
         if job.result.error:
             self._left -= 1
 

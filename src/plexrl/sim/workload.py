@@ -46,6 +46,7 @@ class JobModel:
     state_bytes: int = 0  # trainable + sampler state that must be on the device for its calls
     base: str = ""  # the base model: generate calls of jobs on one base batch together
     arrival_s: float = 0.0  # when the job opens
+    disaggregated: bool = False  # its generates run on a sampler worker of their own (rollout + trainer devices)
 
     def draw_step(self, rng: np.random.Generator) -> tuple[list[int], int, list[float]]:
         """One step's draws: decode steps of each turn's generate call (its longest sequence),

@@ -20,7 +20,7 @@ EVAL_SIZE = 200
 
 class Problem(msgspec.Struct, frozen=True):
     prompt: str  # what the model is given after BOS, e.g. "123+45="
-    answer: str  # the exact completion that earns reward 1.0, e.g. "168"
+    answer: str  # the reference completion, e.g. "168": what pretraining teaches, and it earns reward 1.0
 
 
 def is_held_out(prompt: str) -> bool:
@@ -32,6 +32,7 @@ class Task(ABC):
     """A family of problems: subclasses name it and say how to draw one problem at random."""
 
     name: str
+    max_tokens: int  # new tokens that any reference answer and its EOS fit in (a sampling budget)
 
     @abstractmethod
     def draw(self, rng: np.random.Generator) -> Problem:
@@ -56,6 +57,12 @@ class Task(ABC):
                 problems.setdefault(problem.prompt, problem)
         return list(problems.values())
 
+    def segments(self, problem: Problem) -> list[tuple[str, bool]]:
+        """The reference completion as ``(text, learned)`` pieces. Pretraining puts its loss on the
+        learned pieces only; a tool-using format marks the observations it is given as not learned."""
+        return [(problem.answer, True)]
+
     def score(self, problem: Problem, completion: str) -> float:
-        """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer."""
+        """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer
+        (a task whose answer is a worked solution checks only its final result)."""
         return 1.0 if completion.split(EOS_TOKEN, 1)[0].strip() == problem.answer else 0.0

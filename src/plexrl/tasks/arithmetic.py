@@ -17,6 +17,7 @@ class Add(Task):
     """``"123+45="`` -> ``"168"``: two operands of 2 or 3 digits each."""
 
     name = "add"
+    max_tokens = 5  # up to 999+999=1998, then EOS
 
     def draw(self, rng: np.random.Generator) -> Problem:
         a, b = _number(rng, 2, 3), _number(rng, 2, 3)
@@ -27,6 +28,7 @@ class Mul(Task):
     """``"37*6="`` -> ``"222"``: a 2 or 3 digit number times a digit from 2 to 9."""
 
     name = "mul"
+    max_tokens = 5  # up to 999*9=8991, then EOS
 
     def draw(self, rng: np.random.Generator) -> Problem:
         a, b = _number(rng, 2, 3), int(rng.integers(2, 10))

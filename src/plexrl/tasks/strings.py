@@ -15,6 +15,7 @@ class Reverse(Task):
     """``"rev:abcde="`` -> ``"edcba"``: 3 to 7 random lowercase letters."""
 
     name = "rev"
+    max_tokens = 8  # 7 letters, then EOS
 
     def draw(self, rng: np.random.Generator) -> Problem:
         word = "".join(rng.choice(_LETTERS, size=int(rng.integers(3, 8))))
