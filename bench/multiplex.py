@@ -461,6 +461,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=4, help="(a) concurrent jobs")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every mode (b: seeds)")
     parser.add_argument("--regimes", nargs="+", default=[r.name for r in REGIMES], help="(a) which regimes")
+    parser.add_argument("--steps", type=int, default=None, help="(a) GRPO steps per job (default: the regime's)")
     parser.add_argument("--sampler", choices=["vllm", "hf"], default="vllm", help="(a)")
     parser.add_argument("--sim-jobs", type=int, default=32, help="(b)")
     parser.add_argument("--sim-steps", type=int, default=20, help="(b) GRPO steps per job")
@@ -473,6 +474,7 @@ def main() -> None:
     contended: Shared | None = None
     if args.part in ("both", "real"):
         for regime in (r for r in REGIMES if r.name in args.regimes):
+            regime = dataclasses.replace(regime, steps=args.steps or regime.steps)
             alone, shared = asyncio.run(real_regime(regime, args))
             outcomes = real_table(regime, alone, shared)
             if regime.name == "contended":

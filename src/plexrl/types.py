@@ -19,7 +19,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How to sample: ``n`` completions per prompt, up to ``max_tokens`` new tokens each."""
+    """How to sample: ``n`` completions per prompt, ``min_tokens`` to ``max_tokens`` new tokens each."""
 
     n: int = 1
     max_tokens: int = 16
@@ -28,6 +28,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = 0  # 0 = no top-k filter
     stop_token_ids: tuple[int, ...] = ()  # the model's EOS always stops too
     seed: int | None = None  # None = derived from the job's seed and its call count
+    # EOS and stop tokens are masked until this many tokens are out (min_tokens == max_tokens: every
+    # row runs to full length). The hf sampler reports logprobs of the unmasked distribution; vLLM
+    # renormalises over the allowed tokens, as it does for top-k / top-p.
+    min_tokens: int = 0
 
     def validate(self) -> None:
         problems = []
@@ -35,6 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             problems.append(f"n={self.n} must be in 1..1024")
         if not 1 <= self.max_tokens <= 1 << 16:
             problems.append(f"max_tokens={self.max_tokens} must be in 1..65536")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            problems.append(f"min_tokens={self.min_tokens} must be in 0..max_tokens ({self.max_tokens})")
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
             problems.append(f"temperature={self.temperature} must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:

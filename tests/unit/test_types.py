@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -21,6 +22,8 @@ from plexrl.types import Batch, Ragged, SamplingParams
         (SamplingParams(temperature=float("nan")), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(top_k=-3), "top_k"),
+        (SamplingParams(max_tokens=4, min_tokens=5), r"min_tokens=5 must be in 0\.\.max_tokens \(4\)"),
+        (SamplingParams(min_tokens=-1), "min_tokens=-1"),
     ],
 )
 def test_invalid_sampling_params_are_named(params: SamplingParams, complaint: str) -> None:
@@ -30,6 +33,27 @@ def test_invalid_sampling_params_are_named(params: SamplingParams, complaint: st
 
 def test_default_sampling_params_are_valid() -> None:
     SamplingParams().validate()
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 4])
+def test_min_tokens_up_to_max_tokens_is_valid(min_tokens: int) -> None:
+    SamplingParams(max_tokens=4, min_tokens=min_tokens).validate()  # 4: every row exactly 4 tokens
+
+
+def test_sampling_params_encoded_before_min_tokens_decode_with_min_tokens_0() -> None:
+    """Wire evolution: a message from a peer that predates ``min_tokens`` still decodes."""
+
+    class OldSamplingParams(msgspec.Struct, frozen=True):
+        n: int = 1
+        max_tokens: int = 16
+        temperature: float = 1.0
+        top_p: float = 1.0
+        top_k: int = 0
+        stop_token_ids: tuple[int, ...] = ()
+        seed: int | None = None
+
+    old = msgspec.msgpack.encode(OldSamplingParams(n=2, max_tokens=8, seed=3))
+    assert msgspec.msgpack.decode(old, type=SamplingParams) == SamplingParams(n=2, max_tokens=8, seed=3, min_tokens=0)
 
 
 def _ok() -> dict:

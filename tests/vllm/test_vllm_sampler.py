@@ -249,3 +249,23 @@ async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
         assert step.step == 1 and sorted(g.index for g in rollout.groups) == [0, 1, 2, 3]
         assert {g.weight_version for g in rollout.groups} == {1}
         assert rollout.metrics.rollout_to_train_end_s > 0
+
+
+def test_min_tokens_equal_to_max_tokens_gives_full_length_rows(engines: tuple[Engine, Engine]) -> None:
+    """EOS and stop tokens are held back until ``min_tokens``: every row runs to ``max_tokens``, in
+    both samplers alike (greedy: the same tokens); vLLM's logprobs are renormalised over the tokens
+    left, so never below hf's unmasked ones."""
+    prompts = _prompts("1+1=", "2*3=", "ab>")
+    sampled = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=5)
+    free, _ = _both(engines, {"add": Generate(prompts=prompts, params=sampled)})
+    assert "stop" in free["add"].finish_reasons  # without min_tokens the model ends some answers early
+    full = SamplingParams(n=4, max_tokens=12, min_tokens=12, temperature=1.0, seed=5)
+    out_v, out_h = _both(engines, {"add": Generate(prompts=prompts, params=full)})
+    for out in (out_v["add"], out_h["add"]):
+        assert out.tokens.lengths().tolist() == [12] * 12 and out.logprobs.lengths().tolist() == [12] * 12
+        assert out.finish_reasons == ["length"] * 12
+    greedy = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
+    g_v, g_h = _both(engines, {"add": Generate(prompts=prompts, params=greedy)})
+    np.testing.assert_array_equal(g_v["add"].tokens.values, g_h["add"].tokens.values)
+    assert g_v["add"].tokens.lengths().tolist() == [12] * 3
+    assert np.all(g_v["add"].logprobs.values >= g_h["add"].logprobs.values - ATOL)

@@ -509,9 +509,9 @@ BAD_CALLS: list[tuple[str, Call, type[Exception], str]] = [
     ("float tokens", Generate(Ragged.from_rows([[1.0, 2.0]], "float32")), BatchShapeError, "integers"),
     (
         "prompt + max_tokens too long",
-        Generate(prompts([1] * 200), SamplingParams(max_tokens=100)),
+        Generate(prompts([1] * 1000), SamplingParams(max_tokens=100)),
         BatchShapeError,
-        "max_position_embeddings=256",
+        "max_position_embeddings=1024",
     ),
     ("n = 0", Generate(prompts([1]), SamplingParams(n=0)), InvalidSamplingParamsError, "n=0"),
     ("stop id = vocab", Generate(prompts([1]), SamplingParams(stop_token_ids=(64,))), InvalidSamplingParamsError, "64"),
@@ -572,3 +572,25 @@ def test_training_on_samples_of_other_weights_is_refused_and_accumulates_nothing
     fresh = grpo_batch(engine, "a")
     assert set(fresh.weight_versions_B.tolist()) == {1}  # type: ignore[union-attr]
     run(engine, "a", ForwardBackward(fresh, loss="grpo"), ForwardBackwardResult)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("min_tokens", [3, 6])
+def test_min_tokens_holds_back_eos_and_stop_tokens(
+    engine: Engine, tiny_model: Path, min_tokens: int, temperature: float
+) -> None:
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    free = generate(engine, "a", n=8, max_tokens=6, stop_token_ids=STOPS)
+    assert min(free.tokens.lengths()) < 3  # the stop tokens are live: without min_tokens rows end early
+    out = generate(engine, "a", n=8, max_tokens=6, min_tokens=min_tokens, temperature=temperature, stop_token_ids=STOPS)
+    lens = out.tokens.lengths().tolist()
+    assert len(lens) == 16 and min(lens) >= min_tokens and out.logprobs.lengths().tolist() == lens
+    ends = {*STOPS, 2}  # and the model's EOS
+    for tokens, reason in zip(out.tokens, out.finish_reasons, strict=True):
+        assert not any(t in ends for t in tokens[:-1].tolist())
+        assert reason == ("stop" if tokens[-1] in ends else "length")
+    if min_tokens == 6:  # min_tokens == max_tokens: every row is full length
+        assert lens == [6] * 16 and out.finish_reasons == ["length"] * 16
+    # The hf sampler reports logprobs of the unmasked distribution, as the trainer computes them.
+    for sampled, trained in zip(out.logprobs, trainer_logprobs(engine, "a", out), strict=True):
+        np.testing.assert_allclose(sampled, trained, atol=1e-4)

@@ -2,7 +2,8 @@
 
 For small setups and fast tests. Each reported logprob is ``log_softmax(raw_logits / T)`` at the
 sampled token (T = 1 when greedy), taken from the raw logits rather than the processed scores, so
-top-k / top-p never change it and it is directly comparable with the trainer's logprobs.
+top-k, top-p and the EOS mask of ``min_tokens`` never change it and it is directly comparable with
+the trainer's logprobs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def generate(
     sampling = {} if greedy else {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
     config = GenerationConfig(
         max_new_tokens=params.max_tokens,
+        min_new_tokens=params.min_tokens or None,  # masks the eos_token_id list below until then
         do_sample=not greedy,
         num_return_sequences=1 if greedy else params.n,
         eos_token_id=sorted({*stop_token_ids, *params.stop_token_ids}) or None,

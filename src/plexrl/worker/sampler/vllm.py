@@ -62,6 +62,7 @@ class VllmConfig:
     # sampling 2.5-5.6x slower (bench/sampler.py --max-lora-rank 64). Larger ranks need a worker started so.
     max_lora_rank: int = 8
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int | None = None  # sequences decoded at once; more requests wait (None = vLLM's default)
     dtype: str = "float32"  # the trainer's dtype, so both score tokens alike; "bfloat16" for big models
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE); on CUDA, gpu_memory_utilization
     gpu_memory_utilization: float = 0.5
@@ -118,6 +119,7 @@ class VllmSampler:
             dtype=self.config.dtype,
             enforce_eager=device == "cpu",
             max_model_len=self.config.max_model_len,
+            **({"max_num_seqs": self.config.max_num_seqs} if self.config.max_num_seqs else {}),
             enable_lora=self.lora,
             max_loras=self.config.max_loras,
             max_cpu_loras=2 * self.config.max_loras,
@@ -288,6 +290,7 @@ class VllmSampler:
             VllmParams(
                 n=params.n,
                 max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,  # EOS and stop_token_ids are masked until then
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
