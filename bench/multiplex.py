@@ -26,9 +26,10 @@ batching same-base generates in one engine can beat it. Every mode samples the s
 scheduling does not change what a job computes: the table says whether every job's digest of
 sampled tokens matched its dedicated run.
 
-Calibration. The dedicated runs' call times and output lengths define a ``JobModel`` per job;
-the simulator predicts the shared plex run of the contended regime from them (no batching
-credit: an upper bound on its slowdown), printed next to the measurement.
+Calibration. The dedicated runs' call times and output lengths define a ``JobModel`` per job
+(a generate's time fitted as a per-step cost that batched jobs share plus a per-token cost);
+the simulator predicts the shared plex run of the contended regime from them, printed next to
+the measurement.
 
 (b) Simulated. 32 LoRA GRPO jobs on Qwen3 1.7B/4B/8B (``plexrl.sim.costs``: roofline cost
 models of an H200; 3 turns with tools of median 8 s, 20 steps, one job arriving every 20 s),
@@ -88,8 +89,8 @@ class Regime:
 
 
 REGIMES = (
-    Regime("light", prompts=4, group=8, turns=3, steps=3, tool=Lognormal(1.0, 0.5), budget_jobs=2.5),
-    Regime("contended", prompts=8, group=8, turns=3, steps=3, tool=Lognormal(0.3, 0.5), budget_jobs=2.5),
+    Regime("light", prompts=2, group=8, turns=3, steps=2, tool=Lognormal(2.0, 0.5), budget_jobs=2.5),
+    Regime("contended", prompts=4, group=8, turns=3, steps=2, tool=Lognormal(0.3, 0.5), budget_jobs=2.5),
 )
 
 
@@ -103,6 +104,7 @@ class Trace:
     calls: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, submitted, answered)
     lengths: list[int] = field(default_factory=list)  # completion lengths
     gen_steps: list[int] = field(default_factory=list)  # per generate: its longest completion
+    gen_tokens: list[int] = field(default_factory=list)  # per generate: tokens it sampled
     tokens: list[int] = field(default_factory=list)  # per forward_backward: tokens trained
     samples: Any = field(default_factory=hashlib.sha256)  # digest of every token it sampled, in order
     stats: JobInfo | None = None
@@ -154,6 +156,7 @@ async def agent(index: int, regime: Regime, args: argparse.Namespace, t0: float)
                     trace.samples.update(np.asarray(s.tokens, np.int32).tobytes() + b"|")
                 trace.lengths += lengths
                 trace.gen_steps.append(max(lengths))
+                trace.gen_tokens.append(sum(lengths))
                 rewards = [TASK.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
                 batches.append(plexrl.grpo_batch(prompts, out, rewards))
                 await asyncio.sleep(float(regime.tool.draw(rng)))  # the tool: off the accelerator
@@ -168,9 +171,7 @@ async def agent(index: int, regime: Regime, args: argparse.Namespace, t0: float)
 
 
 def cluster(args: argparse.Namespace, policy: str, budget: int | None = None) -> Any:
-    return plexrl.local(
-        workers=1, policy=policy, memory_budget_bytes=budget, cpus_per_worker=1, sampler=args.sampler
-    )
+    return plexrl.local(workers=1, policy=policy, memory_budget_bytes=budget, cpus_per_worker=1, sampler=args.sampler)
 
 
 async def warm_up(regime: Regime, args: argparse.Namespace) -> None:
@@ -264,20 +265,31 @@ def real_table(regime: Regime, alone: list[list[Trace]], shared: dict[str, list[
 
 
 def calibrated(trace: Trace, regime: Regime, state_bytes: int) -> JobModel:
-    """The simulator's model of a job, from its run alone (see the module docstring)."""
+    """The simulator's model of a job, from its run alone (see the module docstring).
+
+    A generate's time is fitted as ``a * decode steps + b * tokens`` over the job's generates: ``a``
+    is what a decode step costs whatever it holds (reading the weights, the engine's own step),
+    which same-base generates batched together share; ``b`` is each sequence's own part.
+    """
     logs = np.log(np.maximum(1, trace.lengths))
+    design = np.array([trace.gen_steps, trace.gen_tokens], dtype=float).T
+    (a, b), *_ = np.linalg.lstsq(design, np.array(trace.seconds("generate")), rcond=None)
+    a, b = max(a, 0.0), max(b, 0.0)
+    active = float(np.mean(np.array(trace.gen_tokens) / np.array(trace.gen_steps)))
     return JobModel(
         trace.name,
         steps=regime.steps,
         rollouts=regime.prompts * regime.group,
         turns=regime.turns,
         output_tokens=Lognormal(float(np.exp(np.median(logs))), float(np.std(logs))),
-        decode_step_s=sum(trace.seconds("generate")) / sum(trace.gen_steps),
+        decode_step_s=a + b * active,
+        shared_step_fraction=a / (a + b * active) if a + b * active > 0 else 0.0,
         tool_latency_s=regime.tool,
         train_s_per_token=sum(trace.seconds("forward_backward")) / sum(trace.tokens),
         optim_step_s=statistics.mean(trace.seconds("optim_step")),
         sync_s=statistics.mean(trace.seconds("sync_weights")),
         state_bytes=state_bytes,
+        base="tiny",
     )
 
 
@@ -378,7 +390,9 @@ def sim_part(args: argparse.Namespace) -> tuple[float, float, dict[str, list[Poi
     for policy, points in frontier.items():
         print(f"  {policy:>5} " + "  ".join(f"{p.devices}:{p.hours:.2f}/{p.median_slowdown:.2f}" for p in points))
     base, colo = statistics.mean(rows["dedicated"]), statistics.mean(rows["colocated-sync"])
-    print(f"  {'policy':>15} | {'GPU-hours':>20} | {'median slowdown':>20} | {'vs dedicated':>12} | {'vs colocated':>12}")
+    print(
+        f"  {'policy':>15} | {'GPU-hours':>20} | {'median slowdown':>20} | {'vs dedicated':>12} | {'vs colocated':>12}"
+    )
     for name, hours in rows.items():
         h = statistics.mean(hours)
         print(f"  {name:>15} | {spread(hours, 2):>20} | {spread(slow[name], 2):>20} | {1 - h / base:>12.3f} | "

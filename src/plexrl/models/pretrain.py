@@ -188,7 +188,9 @@ def _training_row(task: Task, problem: Problem, tok: CharTokenizer) -> tuple[lis
     return [*ids, tok.eos_id], [*learned, True]
 
 
-def _train_step(model: Any, rows: list[tuple[list[int], list[bool]]], tokens_per_micro_batch: int, pad_id: int) -> float:
+def _train_step(
+    model: Any, rows: list[tuple[list[int], list[bool]]], tokens_per_micro_batch: int, pad_id: int
+) -> float:
     """Accumulate the gradient of the mean cross-entropy over every learned token of ``rows``.
 
     Rows go in order of length into micro-batches of at most ``tokens_per_micro_batch`` padded
@@ -306,7 +308,9 @@ def save(model: Any, out: Path) -> None:
     hf_logging.disable_progress_bar()
     tok = CharTokenizer()
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
         max_new_tokens=max(task.max_tokens for task in TASKS.values()),
     )
     model.save_pretrained(out, safe_serialization=True)
