@@ -165,7 +165,8 @@ def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[
         after_v, after_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
         assert after_v["full"].weight_version == 1
         _assert_same(after_v["full"], after_h["full"])
-        assert not np.allclose(before_v["full"].logprobs.values, after_v["full"].logprobs.values, atol=1e-3)
+        before, after = before_v["full"].logprobs.values, after_v["full"].logprobs.values
+        assert before.shape != after.shape or not np.allclose(before, after, atol=1e-3)  # the new weights serve
     finally:
         for engine in engines:
             engine.execute("full", Close())
@@ -255,17 +256,28 @@ def test_min_tokens_equal_to_max_tokens_gives_full_length_rows(engines: tuple[En
     """EOS and stop tokens are held back until ``min_tokens``: every row runs to ``max_tokens``, in
     both samplers alike (greedy: the same tokens); vLLM's logprobs are renormalised over the tokens
     left, so never below hf's unmasked ones."""
+    spec = JobSpec(model=TINY_MODEL, lora=LoRA(rank=8), optimizer=AdamW(lr=1e-3), seed=3)
+    for engine in engines:  # a fresh adapter: the shipped model's own habit of ending its answers
+        engine.execute("mt", Open(spec=spec))
+    try:
+        _check_min_tokens(engines)
+    finally:
+        for engine in engines:
+            engine.execute("mt", Close())
+
+
+def _check_min_tokens(engines: tuple[Engine, Engine]) -> None:
     prompts = _prompts("1+1=", "2*3=", "ab>")
     sampled = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=5)
-    free, _ = _both(engines, {"add": Generate(prompts=prompts, params=sampled)})
-    assert "stop" in free["add"].finish_reasons  # without min_tokens the model ends some answers early
+    free, _ = _both(engines, {"mt": Generate(prompts=prompts, params=sampled)})
+    assert "stop" in free["mt"].finish_reasons  # without min_tokens the model ends some answers early
     full = SamplingParams(n=4, max_tokens=12, min_tokens=12, temperature=1.0, seed=5)
-    out_v, out_h = _both(engines, {"add": Generate(prompts=prompts, params=full)})
-    for out in (out_v["add"], out_h["add"]):
+    out_v, out_h = _both(engines, {"mt": Generate(prompts=prompts, params=full)})
+    for out in (out_v["mt"], out_h["mt"]):
         assert out.tokens.lengths().tolist() == [12] * 12 and out.logprobs.lengths().tolist() == [12] * 12
         assert out.finish_reasons == ["length"] * 12
     greedy = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
-    g_v, g_h = _both(engines, {"add": Generate(prompts=prompts, params=greedy)})
-    np.testing.assert_array_equal(g_v["add"].tokens.values, g_h["add"].tokens.values)
-    assert g_v["add"].tokens.lengths().tolist() == [12] * 3
-    assert np.all(g_v["add"].logprobs.values >= g_h["add"].logprobs.values - ATOL)
+    g_v, g_h = _both(engines, {"mt": Generate(prompts=prompts, params=greedy)})
+    np.testing.assert_array_equal(g_v["mt"].tokens.values, g_h["mt"].tokens.values)
+    assert g_v["mt"].tokens.lengths().tolist() == [12] * 3
+    assert np.all(g_v["mt"].logprobs.values >= g_h["mt"].logprobs.values - ATOL)

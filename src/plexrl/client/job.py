@@ -73,12 +73,13 @@ class Job:
         params: SamplingParams | None = None,
         chunk: int | None = None,
         admission: str = "frontier",
+        frontier: int | None = None,
         drop_zero_variance: bool = False,
     ) -> Rollout:
         """Sample ``n`` completions of each prompt and yield each group once all its rewards are in
         (``async for group in job.rollout(...)``); see :mod:`plexrl.rollout.pipeline`."""
         return Rollout(
-            self, prompts, n, reward, params=params, chunk=chunk, admission=admission,
+            self, prompts, n, reward, params=params, chunk=chunk, admission=admission, frontier=frontier,
             drop_zero_variance=drop_zero_variance,
         )  # fmt: skip
 

@@ -11,9 +11,13 @@ worker while generation goes on on its sampler worker.
 
 Admission. The rollout's ``len(prompts) * n`` sequences go to the sampler in generate calls of
 ``chunk`` sequences. ``admission="frontier"`` (frontier-group dispatch) orders them group by
-group and gives each call a priority equal to its rank, so the groups the trainer needs next are
-admitted first and the rest backfill (the scheduler dispatches a job's generates by priority; a
-vLLM worker also passes it to vLLM's scheduler). ``admission="arrival"`` interleaves the groups
+group in tiers of ``frontier`` groups and gives each call its tier as priority, so the groups the
+trainer needs next are admitted first and the rest backfill as slots free (the scheduler
+dispatches a job's generates by priority; a vLLM worker also passes it to vLLM's scheduler).
+Tiers rather than one group at a time: with heavy-tailed lengths a rollout lasts as long as its
+longest group takes from its admission, and a strict group order admits the last groups (long
+ones among them) only once nearly every slot has drained, which lengthens the rollout's tail
+(seen on ``sum``: the strict order lost to the interleaved one by 20-40%). ``admission="arrival"`` interleaves the groups
 (sample 1 of every group, then sample 2, ...), as a router fanning out independent requests
 does, with no priority: the same work, in the order an engine would otherwise see it.
 
@@ -102,6 +106,7 @@ class Rollout:
         params: SamplingParams | None = None,
         chunk: int | None = None,
         admission: str = "frontier",
+        frontier: int | None = None,
         drop_zero_variance: bool = False,
     ) -> None:
         if n < 2:
@@ -120,6 +125,10 @@ class Rollout:
         if self.chunk < 1:
             raise InvalidRequestError(f"chunk={chunk}: a generate call needs at least one sequence")
         self.admission = admission
+        # Groups admitted together ahead of the rest: by default a quarter of the rollout.
+        if frontier is not None and frontier < 1:
+            raise InvalidRequestError(f"frontier={frontier}: a tier holds at least one group")
+        self.frontier = frontier or max(1, len(self.prompts) // 4)
         self.drop_zero_variance = drop_zero_variance
         self.metrics = RolloutMetrics()
         self.groups: list[Group] = []  # those yielded so far, in order
@@ -164,7 +173,7 @@ class Rollout:
         self.metrics.started_s = time.perf_counter()
         for rank, start in enumerate(range(0, len(order), self.chunk)):
             rows = [g for g, _ in order[start : start + self.chunk]]
-            priority = rank if self.admission == "frontier" else 0
+            priority = rows[0] // self.frontier if self.admission == "frontier" else 0
             pending[self.job.generate([self.prompts[g] for g in rows], self.params, priority=priority)] = rows
         scored: list[list[tuple[Sample, asyncio.Task[float]]]] = [[] for _ in self.prompts]
         groups: list[asyncio.Task[None]] = []

@@ -102,6 +102,12 @@ class VllmSampler:
 
     async def _start(self, device: str) -> Any:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        if device == "cpu":
+            # The model runs in vLLM's engine process itself ("uni" executor; the CPU platform
+            # allows it only with this variable unset to 0): with a separate model-runner
+            # process, the engine spins on a shared-memory queue while the runner computes, and
+            # on one pinned core the two take turns erratically (decode steps varied by +-20%).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -118,6 +124,7 @@ class VllmSampler:
             skip_tokenizer_init=True,
             dtype=self.config.dtype,
             enforce_eager=device == "cpu",
+            distributed_executor_backend="uni" if device == "cpu" else None,
             max_model_len=self.config.max_model_len,
             **({"max_num_seqs": self.config.max_num_seqs} if self.config.max_num_seqs else {}),
             enable_lora=self.lora,
