@@ -171,7 +171,7 @@ class Rollout:
         order = self.order()
         pending: dict[asyncio.Future[Generated], list[int]] = {}  # call -> the group of each of its rows
         self.metrics.started_s = time.perf_counter()
-        for rank, start in enumerate(range(0, len(order), self.chunk)):
+        for start in range(0, len(order), self.chunk):
             rows = [g for g, _ in order[start : start + self.chunk]]
             priority = rows[0] // self.frontier if self.admission == "frontier" else 0
             pending[self.job.generate([self.prompts[g] for g in rows], self.params, priority=priority)] = rows
