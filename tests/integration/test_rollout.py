@@ -60,6 +60,13 @@ async def test_frontier_admission_completes_groups_in_order_and_zero_variance_gr
         assert arrival.order()[:4] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # sample 1 of every group first
         frontier = job.rollout(PROMPTS, n=2, reward=tool_reward, params=PARAMS, chunk=2)
         assert frontier.order()[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        # Tiers of `frontier` groups: each tier is admitted ahead of the next; arrival has no priority.
+        tiered = job.rollout(PROMPTS, n=2, reward=tool_reward, params=PARAMS, chunk=2, frontier=2)
+        assert tiered.calls() == [([0, 0], 0), ([1, 1], 0), ([2, 2], 1), ([3, 3], 1)]
+        assert [p for _, p in frontier.calls()] == [0, 1, 2, 3]  # default: a quarter of the 4 groups each
+        assert {p for _, p in arrival.calls()} == {0}
+        with pytest.raises(plexrl.errors.InvalidRequestError, match="at least one group"):
+            job.rollout(PROMPTS, n=2, reward=tool_reward, frontier=0)
         with pytest.raises(plexrl.errors.InvalidRequestError, match="at least 2"):
             job.rollout(PROMPTS, n=1, reward=tool_reward)
 

@@ -159,6 +159,15 @@ class Rollout:
             return [(g, k) for g in groups for k in n]
         return [(g, k) for k in n for g in groups]
 
+    def calls(self) -> list[tuple[list[int], int]]:
+        """The generate calls, in submission order: each call's group per row, and its priority."""
+        order = self.order()
+        plan = []
+        for start in range(0, len(order), self.chunk):
+            rows = [g for g, _ in order[start : start + self.chunk]]
+            plan.append((rows, rows[0] // self.frontier if self.admission == "frontier" else 0))
+        return plan
+
     async def _run(self) -> None:
         try:
             await self._generate_and_score()
@@ -168,12 +177,9 @@ class Rollout:
         self._ready.put_nowait(None)
 
     async def _generate_and_score(self) -> None:
-        order = self.order()
         pending: dict[asyncio.Future[Generated], list[int]] = {}  # call -> the group of each of its rows
         self.metrics.started_s = time.perf_counter()
-        for start in range(0, len(order), self.chunk):
-            rows = [g for g, _ in order[start : start + self.chunk]]
-            priority = rows[0] // self.frontier if self.admission == "frontier" else 0
+        for rows, priority in self.calls():
             pending[self.job.generate([self.prompts[g] for g in rows], self.params, priority=priority)] = rows
         scored: list[list[tuple[Sample, asyncio.Task[float]]]] = [[] for _ in self.prompts]
         groups: list[asyncio.Task[None]] = []
