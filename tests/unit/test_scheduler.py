@@ -511,3 +511,29 @@ def test_plex_packs_jobs_of_one_base_together_and_opens_a_device_only_when_the_o
     assert placed == [Place("a", "w0"), Place("b", "w1"), Place("c", "w0"), Place("d", "w2")]
     (e,) = s.handle(JobOpened("e", base="z"), 0.0)  # no device has room: the least loaded one
     assert e == Place("e", "w1")
+
+
+def test_with_room_nowhere_a_job_joins_the_least_loaded_worker_of_its_base() -> None:
+    s = Scheduler("plex")
+    for w in ("w0", "w1", "w2"):
+        s.handle(WorkerJoined(w, slots=4), 0.0)
+    jobs = [("a", "x"), ("b", "y"), ("c", "z"), ("d", "x"), ("e", "y"), ("f", "z")]
+    placed = [s.handle(JobOpened(j, base=base), 0.0)[0].worker_id for j, base in jobs]
+    assert placed == ["w0", "w1", "w2", "w0", "w1", "w2"]  # every device full: two jobs' expected load
+    (g,) = s.handle(JobOpened("g", base="y"), 0.0)
+    assert g == Place("g", "w1")  # as loaded as the others, and it shares its decode steps' weight reads
+
+
+@pytest.mark.parametrize(("policy", "next_call"), [("fifo", 2), ("plex", 3)])
+def test_a_worker_trains_one_call_at_a_time_and_the_policy_picks_the_next(policy: str, next_call: int) -> None:
+    """A worker's trainer runs one call at a time (generates overlap beside it): fifo takes the
+    oldest training call next, plex one that unblocks a job's next stage."""
+    s = Scheduler(policy)
+    s.handle(WorkerJoined("w0", slots=8, trainer_slots=1), 0.0)
+    for job in "abc":
+        s.handle(JobOpened(job), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "b", "forward_backward"), 0.0) == []  # the trainer is busy
+    assert s.handle(CallSubmitted(3, "c", "optim_step"), 0.0) == []
+    assert s.handle(CallSubmitted(4, "b", "generate"), 0.0) == [Dispatch(4, "w0")]  # sampling overlaps
+    assert s.handle(CallFinished(1), 1.0) == [Dispatch(next_call, "w0")]

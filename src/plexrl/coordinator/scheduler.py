@@ -11,7 +11,8 @@ Invariants it keeps, whatever the policy:
   serves) waits for every earlier call of the job and holds back every later one;
 - trainer-lane calls run on the job's home worker (affinity); the sampler lane runs there too,
   or, for a disaggregated job, on its sampler worker;
-- a worker runs at most ``slots`` calls at once;
+- a worker runs at most ``slots`` calls at once, of them at most ``trainer_slots`` other than
+  generates (a worker's trainer runs one call at a time, so the order of those is the policy's);
 - every submitted call ends in exactly one ``Dispatch`` followed by the server's
   ``CallFinished``, or in one ``Fail``.
 """
@@ -35,6 +36,7 @@ class WorkerJoined:
     slots: int = 1  # calls the worker may run at once
     memory_bytes: float = math.inf  # device memory for jobs' state
     swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
+    trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +177,8 @@ class _Worker:
     used_bytes: int = 0  # state on the device or on its way there (or still leaving)
     moving: _Move | None = None  # the one transfer in flight on this worker
     running: set[int] = field(default_factory=set)
+    trainer_slots: int = 1 << 30  # calls other than generate it runs at once
+    training: set[int] = field(default_factory=set)  # the running ones of those
     jobs: set[str] = field(default_factory=set)  # jobs whose home it is
     samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
 
@@ -292,8 +296,10 @@ class Scheduler:
                 other = self._other_worker(done) if done is not None else None
                 if other is not None and other != touched and other in self._workers:
                     actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s):
-                self._workers[worker_id] = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
+            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots):
+                worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
+                worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
+                self._workers[worker_id] = worker
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
@@ -453,6 +459,7 @@ class Scheduler:
         worker = self._workers.get(job.sampler if call.lane == SAMPLER else job.home)
         if worker is not None:
             worker.running.discard(call_id)
+            worker.training.discard(call_id)
             self.ledger.call_finished(worker.worker_id, job.job_id, now)
 
     def _cancel(self, call_id: int) -> None:
@@ -485,6 +492,7 @@ class Scheduler:
                     other = self._workers.get(job.sampler if lane == SAMPLER else job.home)
                     if other is not None:
                         other.running.discard(call_id)
+                        other.training.discard(call_id)
                         self.ledger.call_finished(other.worker_id, job_id, now)
                 job.queues[lane].clear()
                 job.running[lane].clear()
@@ -520,12 +528,16 @@ class Scheduler:
                 for call in startable:
                     if len(worker.running) >= worker.slots:
                         break
+                    if call.lane == TRAINER and len(worker.training) >= worker.trainer_slots:
+                        break
                     if needs_state:
                         job.state.waiting_since_s = None
                         self._waiting.discard(job.job_id)
                     job.queues[call.lane].remove(call.call_id)
                     job.running[call.lane].add(call.call_id)
                     worker.running.add(call.call_id)
+                    if call.lane == TRAINER:
+                        worker.training.add(call.call_id)
                     self.ledger.call_started(worker.worker_id, job.job_id, now)
                     actions.append(Dispatch(call.call_id, worker.worker_id, call.priority))
                 continue

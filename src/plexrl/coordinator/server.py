@@ -251,7 +251,10 @@ class Coordinator:
             ident,
             m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
         )
-        self._apply(sch.WorkerJoined(worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes))
+        joined = sch.WorkerJoined(
+            worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes, trainer_slots=msg.trainer_slots
+        )
+        self._apply(joined)
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
             self._waiters.remove(w)
             self._send(w.client, self._status(w.rid))

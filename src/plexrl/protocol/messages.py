@@ -152,6 +152,7 @@ class Register(Envelope, tag="register", frozen=True):
     memory_budget_bytes: int
     pid: int
     slots: int = 1  # calls it runs at once (a vLLM sampler serves many jobs' generates together)
+    trainer_slots: int = 0  # of those, calls other than generate (its trainer runs one at a time); 0 = slots
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

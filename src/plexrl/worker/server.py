@@ -159,6 +159,7 @@ class Worker:
             memory_budget_bytes=self.config.memory_budget_bytes,
             pid=os.getpid(),
             slots=VLLM_SLOTS if self.config.sampler == "vllm" else 1,
+            trainer_slots=1,  # every call but a vLLM generate runs on the main thread, one at a time
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
