@@ -537,3 +537,18 @@ def test_a_worker_trains_one_call_at_a_time_and_the_policy_picks_the_next(policy
     assert s.handle(CallSubmitted(3, "c", "optim_step"), 0.0) == []
     assert s.handle(CallSubmitted(4, "b", "generate"), 0.0) == [Dispatch(4, "w0")]  # sampling overlaps
     assert s.handle(CallFinished(1), 1.0) == [Dispatch(next_call, "w0")]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "plex"])
+def test_a_closing_job_is_never_moved_out(policy: str) -> None:
+    """The server handles a close's CallFinished before its JobClosed: in between, the closed job
+    looks idle and resident, and must not be picked to make room (its worker no longer has it)."""
+    s = Scheduler(policy)
+    s.handle(WorkerJoined("w0", slots=4, memory_bytes=G), 0.0)
+    s.handle(JobOpened("a", G), 0.0)
+    s.handle(JobOpened("b", G), 0.0)  # in the host store: no room
+    s.handle(CallSubmitted(1, "a", "close"), 1.0)
+    s.handle(CallSubmitted(2, "b", "generate"), 1.0)
+    assert s.handle(CallFinished(1), 2.0) == []  # a is closed on its worker: nothing to move out
+    assert s.handle(Tick(), 100.0) == []  # not even once b starves
+    assert s.handle(JobClosed("a"), 100.0) == [Swap("b", "w0", "device", G)]

@@ -204,6 +204,7 @@ class _Job:
     barriers: set[int] = field(default_factory=set)  # unfinished barrier calls
     unfinished: set[int] = field(default_factory=set)  # queued or running calls
     lost: str | None = None  # why the job's state is gone
+    closing: bool = False  # its close is submitted: its state is freed, never moved, from then on
 
     def lanes_on(self, worker_id: str) -> list[str]:
         return [lane for lane in (TRAINER, SAMPLER) if (self.home if lane == TRAINER else self.sampler) == worker_id]
@@ -431,6 +432,7 @@ class Scheduler:
         job.unfinished.add(call.call_id)
         if call.kind in BARRIERS:
             job.barriers.add(call.call_id)
+        job.closing |= call.kind == "close"
         return []
 
     def _lane_worker(self, call: _Call) -> str | None:
@@ -583,11 +585,13 @@ class Scheduler:
 
     def _victim(self, worker: _Worker, waiting: _Job | None, now: float) -> _Job | None:
         """The resident, idle job to move out so ``waiting`` can come in (or, with ``waiting`` None,
-        so the device gets back under its budget), if any should go now."""
+        so the device gets back under its budget), if any should go now. A closing job is not
+        moved: its close frees its state (seen when a close had finished on the worker but the
+        job's ``JobClosed`` was not handled yet: the move reached a worker that no longer had it)."""
         idle = [
-            self._jobs[j]
-            for j in sorted(worker.jobs)
-            if self._jobs[j].state.tier == rs.DEVICE and self._jobs[j].idle_on(worker.worker_id)
+            job
+            for job in (self._jobs[j] for j in sorted(worker.jobs))
+            if job.state.tier == rs.DEVICE and job.idle_on(worker.worker_id) and not job.closing
         ]
         if not idle:
             return None
