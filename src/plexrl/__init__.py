@@ -14,6 +14,7 @@ from plexrl import errors
 from plexrl.client.connection import Client, connect
 from plexrl.client.job import Job, Optimized, forward_backward, generate, job, optim_step, optimize, sync_weights
 from plexrl.client.local import LocalCluster, local
+from plexrl.client.trajectory import Trajectory, Turn, prefix_cache_hit_rate
 from plexrl.protocol.calls import (
     ForwardBackwardResult,
     Generated,
@@ -23,7 +24,7 @@ from plexrl.protocol.calls import (
     Saved,
     Synced,
 )
-from plexrl.rollout import group_advantages, grpo_batch
+from plexrl.rollout import group_advantages, grpo_batch, trajectory_batch
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
 
 __version__ = "0.1.0"
@@ -47,6 +48,8 @@ __all__ = [
     "SamplingParams",
     "Saved",
     "Synced",
+    "Trajectory",
+    "Turn",
     "connect",
     "errors",
     "forward_backward",
@@ -57,5 +60,7 @@ __all__ = [
     "local",
     "optim_step",
     "optimize",
+    "prefix_cache_hit_rate",
     "sync_weights",
+    "trajectory_batch",
 ]

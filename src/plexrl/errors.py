@@ -28,6 +28,7 @@ __all__ = [
     "ProtocolVersionError",
     "SamplerUnavailableError",
     "StaleSamplesError",
+    "TrajectoryError",
     "UnknownJobError",
     "WorkerLostError",
     "from_wire",
@@ -95,6 +96,13 @@ class StaleSamplesError(InvalidRequestError):
     them would be off-policy. Sample with the current weights (after ``sync_weights``)."""
 
     code = "stale_samples"
+
+
+class TrajectoryError(InvalidRequestError):
+    """A trajectory was used out of order: an observation before its first turn, a turn of
+    ``n != 1``, or an observation on a trajectory that already stopped."""
+
+    code = "trajectory"
 
 
 class NoJobContextError(PlexError, RuntimeError):

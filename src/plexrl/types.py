@@ -138,7 +138,11 @@ class Batch(msgspec.Struct, frozen=True):
     prompt_lens_B: np.ndarray  # int32 [B]
     sampler_logprobs: Ragged | None = None  # float32, one per completion token
     advantages_B: np.ndarray | None = None  # float32 [B]
-    weight_versions_B: np.ndarray | None = None  # int64 [B]: the version that sampled each row
+    weight_versions_B: np.ndarray | None = None  # int64 [B]: the version that sampled each row (its oldest)
+    # Multi-turn rows (``plexrl.trajectory_batch``): per completion token, 1 where the loss covers
+    # it (sampled) and 0 where it does not (observations a tool returned); None = every token.
+    loss_mask: Ragged | None = None  # int8
+    token_versions: Ragged | None = None  # int64 per completion token: its weight version, -1 if not sampled
 
     @classmethod
     def from_samples(
@@ -180,6 +184,18 @@ class Batch(msgspec.Struct, frozen=True):
             self.sampler_logprobs.check("sampler_logprobs")
             if len(self.sampler_logprobs) != n or np.any(self.sampler_logprobs.lengths() != lens - p):
                 raise BatchShapeError("sampler_logprobs needs one value per completion token of each sample")
+        for name in ("loss_mask", "token_versions"):
+            per_token: Ragged | None = getattr(self, name)
+            if per_token is None:
+                continue
+            per_token.check(name)
+            if len(per_token) != n or np.any(per_token.lengths() != lens - p):
+                raise BatchShapeError(f"{name} needs one value per completion token of each sample")
+        if self.loss_mask is not None:
+            if not np.all((self.loss_mask.values == 0) | (self.loss_mask.values == 1)):
+                raise BatchShapeError("loss_mask holds 1 (in the loss) or 0 (not) per completion token")
+            if np.any(np.add.reduceat(self.loss_mask.values.astype(np.int64), self.loss_mask.offsets[:-1]) == 0):
+                raise BatchShapeError("every sample needs at least one completion token in the loss (loss_mask 1)")
         for name in ("advantages_B", "weight_versions_B"):
             arr = getattr(self, name)
             if arr is not None and arr.shape != (n,):

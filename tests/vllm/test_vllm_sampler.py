@@ -34,6 +34,7 @@ from plexrl.protocol.calls import (
 )
 from plexrl.types import AdamW, Batch, LoRA, Ragged, SamplingParams
 from plexrl.worker.sampler import vllm as vllm_sampler
+from trajectory_checks import check_turns_are_token_exact
 
 if not vllm_sampler.available():
     if os.environ.get("PLEXRL_REQUIRE_VLLM"):
@@ -223,6 +224,15 @@ async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
     ):
         status = await client.status()
         assert status.workers[0].engines == ["vllm"]
+        # Multi-turn: each turn continues the exact tokens (the trainer scores them as vLLM did),
+        # and later turns' prompts come from the prefix cache in whole blocks (128 tokens on CPU).
+        long = TOK.encode("sum:" + "+".join(str(i) for i in range(1, 50)) + "=")
+        observations = [TOK.encode(" ok 12 "), TOK.encode(" no "), TOK.encode(" ok ")]
+        traj = await check_turns_are_token_exact(b, long, observations, atol=ATOL)
+        assert all(t.cached_tokens is not None for t in traj.turns)
+        assert traj.cached_tokens >= 128 * 2  # turns 2 and 3 each reused at least the first block
+        rate = plexrl.prefix_cache_hit_rate([traj])
+        assert rate is not None and 0.5 < rate <= 1.0
         prompts = [TOK.encode("1+2="), TOK.encode("3*4=")]
         out_a, out_b = await asyncio.gather(a.generate(prompts, GREEDY), b.generate(prompts, GREEDY))
         assert len(out_a.samples) == len(out_b.samples) == 2

@@ -345,6 +345,49 @@ def test_grpo_kl_to_the_base_is_zero_before_training(engine: Engine, tiny_model:
     assert run(engine, "j", call, ForwardBackwardResult).metrics["kl"] > 1e-6
 
 
+def test_masked_observation_tokens_add_nothing_to_the_loss(engine: Engine, tiny_model: Path) -> None:
+    """A multi-turn row: prompt, sampled, observation (mask 0), sampled. Whatever the observation's
+    logprobs say, the loss and its token count are those of the sampled tokens alone."""
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    row = [1, 5, 6, 7, 8, 9, 10, 11]  # prompt [1, 5]; tokens 8 and 9 came from a tool
+    own = run(engine, "a", Logprobs(Ragged.from_rows([row], "int32")), LogprobsResult).logprobs[0][1:]
+    mask = np.array([1, 1, 0, 0, 1, 1], np.int8)
+
+    def loss(observation_logprob: float, loss_mask: np.ndarray | None) -> ForwardBackwardResult:
+        logprobs = np.where(mask == 1, own, observation_logprob).astype(np.float32)
+        batch = Batch(
+            tokens=Ragged.from_rows([row], "int32"), prompt_lens_B=np.array([2], np.int32),
+            sampler_logprobs=Ragged.from_rows([logprobs], "float32"), advantages_B=np.array([1.0], np.float32),
+            loss_mask=None if loss_mask is None else Ragged.from_rows([loss_mask], "int8"),
+        )  # fmt: skip
+        return run(engine, "a", ForwardBackward(batch, loss="grpo"), ForwardBackwardResult)
+
+    masked, garbage = loss(-1.0, mask), loss(-30.0, mask)
+    assert masked.num_tokens == garbage.num_tokens == 4
+    assert masked.loss == pytest.approx(garbage.loss, abs=1e-6)
+    assert masked.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # only the sampled tokens' ratios
+    unmasked = loss(-30.0, None)
+    assert unmasked.num_tokens == 6 and unmasked.metrics["ratio_mean"] > 1.0  # the mask is what kept them out
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"loss_mask": [[1, 1]]}, "loss_mask needs one value per completion token"),
+        ({"loss_mask": [[1, 2, 0, 0]]}, "1 \\(in the loss\\) or 0"),
+        ({"loss_mask": [[0, 0, 0, 0]]}, "at least one completion token in the loss"),
+        ({"token_versions": [[0, 0, 0]]}, "token_versions needs one value per completion token"),
+    ],
+)
+def test_per_token_fields_must_match_the_completion(change: dict[str, list[list[int]]], match: str) -> None:
+    fields = {k: Ragged.from_rows(v, "int8" if k == "loss_mask" else "int64") for k, v in change.items()}
+    batch = Batch(
+        tokens=Ragged.from_rows([[1, 5, 6, 7, 8, 9]], "int32"), prompt_lens_B=np.array([2], np.int32), **fields
+    )
+    with pytest.raises(BatchShapeError, match=match):
+        batch.validate("cross_entropy")
+
+
 # -- weight versions ----------------------------------------------------------------------------
 
 

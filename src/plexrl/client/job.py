@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from plexrl.client.connection import Client, current_client
+from plexrl.client.trajectory import Trajectory
 from plexrl.errors import JobClosedError, NoJobContextError, PlexError
 from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo
@@ -81,6 +82,24 @@ class Job:
         return Rollout(
             self, prompts, n, reward, params=params, chunk=chunk, admission=admission, frontier=frontier,
             drop_zero_variance=drop_zero_variance,
+        )  # fmt: skip
+
+    def trajectory(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        max_turns: int | None = None,
+        max_tokens: int | None = None,
+        turn_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Trajectory:
+        """A multi-turn trajectory from ``prompt`` (token ids): its ``generate`` calls are the turns,
+        ``observe`` appends a tool's tokens between them; see :mod:`plexrl.client.trajectory`.
+        Budgets: at most ``max_turns`` turns, ``max_tokens`` tokens in all (prompt, turns and
+        observations), ``turn_timeout_s`` per turn, ``timeout_s`` from now to the last turn's end."""
+        return Trajectory(
+            self, np.asarray(prompt, np.int32).reshape(-1), max_turns=max_turns, max_tokens=max_tokens,
+            turn_timeout_s=turn_timeout_s, timeout_s=timeout_s,
         )  # fmt: skip
 
     def logprobs(self, tokens: Prompts) -> asyncio.Future[calls.LogprobsResult]:

@@ -101,6 +101,7 @@ class Generated(msgspec.Struct, tag="generated", frozen=True):
     prompt_index_B: np.ndarray  # int32
     finish_reasons: list[str]
     weight_version: int
+    cached_tokens_P: np.ndarray | None = None  # int32 per prompt: its tokens vLLM's prefix cache served
 
     @property
     def samples(self) -> list[Sample]:

@@ -1,6 +1,6 @@
 """Client-side rollout pieces: group advantages, training batches, and complete-group pipelining."""
 
-from plexrl.rollout.advantages import group_advantages, grpo_batch
+from plexrl.rollout.advantages import group_advantages, grpo_batch, trajectory_batch
 from plexrl.rollout.pipeline import Group, Rollout, RolloutMetrics, train
 
-__all__ = ["Group", "Rollout", "RolloutMetrics", "group_advantages", "grpo_batch", "train"]
+__all__ = ["Group", "Rollout", "RolloutMetrics", "group_advantages", "grpo_batch", "train", "trajectory_batch"]

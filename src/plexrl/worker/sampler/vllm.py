@@ -352,4 +352,5 @@ class VllmSampler:
             prompt_index_B=np.repeat(np.arange(len(rows), dtype=np.int32), n),
             finish_reasons=reasons,
             weight_version=weight_version,
+            cached_tokens_P=np.array([out.num_cached_tokens or 0 for out in outs], np.int32),
         )

@@ -180,11 +180,17 @@ class Job:
         # Target t (tokens[:, 1:]) is a completion token when prompt_len <= t < len.
         pos_T1 = torch.arange(1, tokens_B_T.shape[1], device=device)
         prompt_B1 = torch.from_numpy(batch.prompt_lens_B.astype(np.int64)).to(device)[:, None]
-        mask_B_T1 = (pos_T1 >= prompt_B1) & valid_B_T[:, 1:]
+        completion_B_T1 = (pos_T1 >= prompt_B1) & valid_B_T[:, 1:]
+        mask_B_T1 = completion_B_T1
+        if batch.loss_mask is not None:  # observation tokens are context, not actions
+            mask_B_T1 = torch.zeros_like(completion_B_T1)
+            mask_B_T1[completion_B_T1] = torch.from_numpy(batch.loss_mask.values.astype(np.bool_)).to(device)
         sampler_logp_B_T1 = advantages_B = ref_logp_B_T1 = None
         if batch.sampler_logprobs is not None:
             sampler_logp_B_T1 = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device)
-            sampler_logp_B_T1[mask_B_T1] = torch.from_numpy(batch.sampler_logprobs.values.astype(np.float32)).to(device)
+            sampler_logp_B_T1[completion_B_T1] = torch.from_numpy(batch.sampler_logprobs.values.astype(np.float32)).to(
+                device
+            )
         if batch.advantages_B is not None:
             advantages_B = torch.from_numpy(batch.advantages_B.astype(np.float32)).to(device)
         if loss == "grpo" and config.kl_coef > 0:
@@ -203,8 +209,13 @@ class Job:
         return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=out.metrics)
 
     def _check_on_policy(self, batch: Batch) -> None:
-        """Every row sampled by the weights the trainer holds now (version ``weight_version``)."""
+        """Every row (every sampled token of it, when the batch says per token) sampled by the
+        weights the trainer holds now (version ``weight_version``)."""
         versions = batch.weight_versions_B
+        if batch.token_versions is not None:
+            versions = batch.token_versions.values
+            if batch.loss_mask is not None:
+                versions = versions[batch.loss_mask.values.astype(np.bool_)]
         if versions is None or not len(versions) or bool(np.all(versions == self.weight_version)):
             return
         stale = sorted({int(v) for v in versions if v != self.weight_version})
