@@ -14,7 +14,7 @@ import numpy as np
 
 from plexrl.errors import BatchShapeError, InvalidSamplingParamsError
 
-LOSSES = ("grpo", "importance_sampling", "cross_entropy")
+LOSSES = ("grpo", "importance_sampling", "cross_entropy", "decoupled_ppo")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -79,6 +79,8 @@ class LossConfig(msgspec.Struct, frozen=True):
     clip_high: float = 0.2
     kl_coef: float = 0.0  # > 0 adds beta * KL(policy || base model), k3 estimator
     temperature: float = 1.0  # the sampling temperature the logprobs were taken at
+    # decoupled_ppo: the behaviour importance weight pi_prox / pi_sampler is truncated at this
+    is_cap: float = 5.0
 
 
 class Ragged(msgspec.Struct, frozen=True):
@@ -178,7 +180,7 @@ class Batch(msgspec.Struct, frozen=True):
             raise BatchShapeError(f"prompt_lens_B has shape {p.shape}, expected ({n},): one per sample")
         if np.any(p < 1) or np.any(p >= lens):
             raise BatchShapeError("each sample needs 1 <= prompt_len < len(tokens): at least one completion token")
-        if loss in ("grpo", "importance_sampling") and (self.sampler_logprobs is None or self.advantages_B is None):
+        if loss != "cross_entropy" and (self.sampler_logprobs is None or self.advantages_B is None):
             raise BatchShapeError(f"loss {loss!r} needs sampler_logprobs and advantages_B")
         if self.sampler_logprobs is not None:
             self.sampler_logprobs.check("sampler_logprobs")

@@ -617,6 +617,25 @@ def test_training_on_samples_of_other_weights_is_refused_and_accumulates_nothing
     run(engine, "a", ForwardBackward(fresh, loss="grpo"), ForwardBackwardResult)
 
 
+def test_max_staleness_admits_samples_up_to_k_versions_old_and_refuses_older(engine: Engine, tiny_model: Path) -> None:
+    spec = JobSpec(model=str(tiny_model), lora=LoRA(rank=4), optimizer=FAST, max_staleness=1)
+    engine.execute("a", Open(spec))
+    old = grpo_batch(engine, "a")  # version 0
+    fresh = run(engine, "a", ForwardBackward(old, loss="decoupled_ppo"), ForwardBackwardResult)
+    assert fresh.metrics["staleness_max"] == 0.0
+    engine.execute("a", OptimStep())
+    engine.execute("a", SyncWeights())  # version 1: the old samples are one version behind, k = 1
+    result = run(engine, "a", ForwardBackward(old, loss="decoupled_ppo"), ForwardBackwardResult)
+    assert result.metrics["staleness_mean"] == result.metrics["staleness_max"] == 1.0
+    assert result.metrics["is_weight_mean"] != pytest.approx(1.0)  # the trainer moved: the weights correct for it
+    engine.execute("a", OptimStep())
+    engine.execute("a", SyncWeights())  # version 2: two behind
+    with pytest.raises(StaleSamplesError, match=r"version\(s\) \[0\].*versions 1\.\.2 \(max_staleness=1\)"):
+        engine.execute("a", ForwardBackward(old, loss="decoupled_ppo"))
+    with pytest.raises(InvalidRequestError, match="max_staleness=-1 must be >= 0"):
+        engine.execute("b", Open(JobSpec(model=str(tiny_model), max_staleness=-1)))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("min_tokens", [3, 6])
 def test_min_tokens_holds_back_eos_and_stop_tokens(

@@ -130,3 +130,34 @@ def test_masked_out_tokens_get_no_gradient() -> None:
 def test_out_of_range_loss_configs_are_rejected(config: LossConfig) -> None:
     with pytest.raises(InvalidRequestError, match="LossConfig"):
         check_loss_config(config)
+
+
+def test_decoupled_ppo_weights_each_token_by_its_truncated_behaviour_importance_weight() -> None:
+    """pi_prox = the trainer now (ratio 1 before the update); w = pi_prox / pi_sampler: 2 for the
+    first token, 10 for the second, truncated to is_cap = 5."""
+    logp = torch.tensor([[math.log(0.5), math.log(0.6)]], requires_grad=True)
+    sampler = logps(math.log(0.25), math.log(0.06))
+    out = compute_loss(
+        "decoupled_ppo", logp, torch.tensor([[1, 1]]), LossConfig(is_cap=5.0), sampler, torch.tensor([1.5])
+    )
+    assert out.loss_sum.item() == pytest.approx(-(2 + 5) * 1.5)
+    assert out.metrics["is_weight_mean"] == pytest.approx(3.5)
+    assert out.metrics["is_truncated_frac"] == pytest.approx(0.5)
+    assert out.metrics["ratio_mean"] == pytest.approx(1.0)
+    out.loss_sum.backward()
+    assert logp.grad is not None
+    assert logp.grad.tolist()[0] == pytest.approx([-2 * 1.5, -5 * 1.5])  # d(-w * A * ratio) / d logp
+
+
+def test_decoupled_ppo_on_fresh_samples_is_grpo() -> None:
+    logp = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    mask, adv = torch.tensor([[1, 1]]), torch.tensor([-0.7])
+    decoupled = compute_loss("decoupled_ppo", logp, mask, LossConfig(), logp.detach(), adv)
+    plain = compute_loss("grpo", logp, mask, LossConfig(), logp.detach(), adv)
+    assert decoupled.loss_sum.item() == pytest.approx(plain.loss_sum.item())
+    assert decoupled.metrics["is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_is_cap_below_one_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match=r"is_cap=0\.5 must be >= 1"):
+        check_loss_config(LossConfig(is_cap=0.5))

@@ -166,6 +166,7 @@ async def job(
     seed: int = 0,
     weight: float = 1.0,
     placement: str = "colocated",
+    max_staleness: int = 0,
     client: Client | None = None,
 ) -> AsyncIterator[Job]:
     """Open a job on the current client (``plexrl.local`` / ``plexrl.connect``), close it on exit.
@@ -174,7 +175,9 @@ async def job(
     share of accelerator time under the ``plex`` policy, relative to other jobs (2.0: twice).
     ``placement="disaggregated"`` runs its generates on another worker than its training (a
     replica of its sampler there, new weights pushed on every ``sync_weights``), so sampling and
-    training overlap; ``"colocated"`` (default) keeps both on one worker.
+    training overlap; ``"colocated"`` (default) keeps both on one worker. ``max_staleness=k``
+    trains on samples of weights up to ``k`` versions old (0, the default: strictly on-policy);
+    pair it with :class:`plexrl.rollout.StalenessGate` to bound what is in flight.
     """
     client = client or current_client.get()
     if client is None:
@@ -182,7 +185,7 @@ async def job(
             "plexrl.job(...) needs a cluster: wrap it in `async with plexrl.local():` or plexrl.connect(...)"
         )
     model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
-    spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed)
+    spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed, max_staleness=max_staleness)
     job_id, opened = await client.open_job(name, spec, weight, placement)
     handle = Job(client, job_id, name, spec, opened)
     token = current_job.set(handle)

@@ -19,6 +19,9 @@ class JobSpec(msgspec.Struct, frozen=True):
     lora: LoRA | None = LoRA()  # None = full fine-tune (a private copy of the base weights)
     optimizer: AdamW = AdamW()
     seed: int = 0
+    # Samples of weights at most this many versions older than the trainer's are trained on
+    # (0 = strictly on-policy); older ones are refused with StaleSamplesError.
+    max_staleness: int = 0
 
 
 # -- calls ------------------------------------------------------------------------------------

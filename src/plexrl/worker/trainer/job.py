@@ -81,6 +81,8 @@ def check_spec(spec: JobSpec) -> None:
         problems.append(f"grad_clip={o.grad_clip} must be > 0, or None for no clipping")
     if problems:
         raise InvalidRequestError("invalid AdamW: " + "; ".join(problems))
+    if spec.max_staleness < 0:
+        raise InvalidRequestError(f"max_staleness={spec.max_staleness} must be >= 0 (0 = strictly on-policy)")
 
 
 class Job:
@@ -172,7 +174,7 @@ class Job:
         batch.validate(loss)
         check_loss_config(config)
         self.base.check_tokens(batch.tokens, "batch.tokens", min_len=2)
-        self._check_on_policy(batch)
+        staleness = self._check_staleness(batch)
         if batch.sampler_logprobs is not None and not np.all(np.isfinite(batch.sampler_logprobs.values)):
             raise BatchShapeError("sampler_logprobs contains NaN or inf; pass the sampler's finite logprobs")
         tokens_B_T, valid_B_T = self._pad_right(batch.tokens)
@@ -193,7 +195,7 @@ class Job:
             )
         if batch.advantages_B is not None:
             advantages_B = torch.from_numpy(batch.advantages_B.astype(np.float32)).to(device)
-        if loss == "grpo" and config.kl_coef > 0:
+        if loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0:
             with self.base.reference() as reference, torch.no_grad():
                 ref_logp_B_T1 = _forward_logp(reference, tokens_B_T, valid_B_T, config.temperature)
         model = self.weights.trainer_model(train=True)
@@ -206,24 +208,36 @@ class Job:
             )
         out.loss_sum.backward()
         self.pending_tokens += out.num_tokens
-        return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=out.metrics)
+        metrics = out.metrics if staleness is None else {**out.metrics, **staleness}
+        return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=metrics)
 
-    def _check_on_policy(self, batch: Batch) -> None:
-        """Every row (every sampled token of it, when the batch says per token) sampled by the
-        weights the trainer holds now (version ``weight_version``)."""
+    def _check_staleness(self, batch: Batch) -> dict[str, float] | None:
+        """Refuse samples older than ``max_staleness`` versions (0: only the current weights'), and
+        say how stale what is trained on is: versions behind the trainer's, mean and max over the
+        sampled tokens (rows, when the batch has no per-token versions). None: no versions given."""
         versions = batch.weight_versions_B
         if batch.token_versions is not None:
             versions = batch.token_versions.values
             if batch.loss_mask is not None:
                 versions = versions[batch.loss_mask.values.astype(np.bool_)]
-        if versions is None or not len(versions) or bool(np.all(versions == self.weight_version)):
-            return
-        stale = sorted({int(v) for v in versions if v != self.weight_version})
-        raise StaleSamplesError(
-            f"the batch holds samples of weight version(s) {stale}, but the trainer is at version "
-            f"{self.weight_version}: on-policy training needs samples of the current weights "
-            "(generate after sync_weights), or drop weight_versions_B to train off-policy on purpose"
-        )
+        if versions is None or not len(versions):
+            return None
+        behind = self.weight_version - versions.astype(np.int64)
+        k = self.spec.max_staleness
+        if np.any((behind < 0) | (behind > k)):
+            bad = sorted({int(v) for v, d in zip(versions, behind, strict=True) if d < 0 or d > k})
+            allowed = (
+                f"version {self.weight_version}"
+                if k == 0
+                else f"versions {self.weight_version - k}..{self.weight_version}"
+            )
+            raise StaleSamplesError(
+                f"the batch holds samples of weight version(s) {bad}, but the trainer is at version "
+                f"{self.weight_version} and this job trains on {allowed} (max_staleness={k}): sample with "
+                "newer weights, open the job with a larger max_staleness, or drop the batch's versions "
+                "to train off-policy on purpose"
+            )
+        return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
     def optim_step(self) -> OptimStepResult:
         if self.pending_tokens == 0:

@@ -7,6 +7,11 @@ however the tokens were split across ``forward_backward`` calls.
 
 Names follow the papers: ``ratio`` is the per-token importance ratio pi_theta / pi_sampler,
 ``A`` the per-sample advantage, ``k3`` Schulman's low-variance KL estimator.
+
+``decoupled_ppo`` is AReaL's loss for stale samples (Fu et al. 2025, eq. 5): the PPO clip is
+taken against the proximal policy pi_prox (the trainer's weights before this update, here the
+detached current logprobs), and each token is weighted by pi_prox / pi_sampler, truncated at
+``is_cap``, which corrects for the samples having come from older weights.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def check_loss_config(config: LossConfig) -> None:
         problems.append(f"kl_coef={config.kl_coef} must be >= 0 (0 disables the KL term)")
     if not config.temperature > 0.0:
         problems.append(f"temperature={config.temperature} must be > 0")
+    if not config.is_cap >= 1.0:
+        problems.append(f"is_cap={config.is_cap} must be >= 1 (the importance weight's truncation)")
     if problems:
         raise InvalidRequestError("invalid LossConfig: " + "; ".join(problems))
 
@@ -83,7 +90,16 @@ def compute_loss(
     else:
         if sampler_logp_B_T is None or advantages_B is None:
             raise InvalidRequestError(f"loss {loss!r} needs sampler logprobs and advantages")
-        ratio_B_T = torch.exp(logp_B_T - sampler_logp_B_T)
+        weight_B_T = None
+        if loss == "decoupled_ppo":
+            prox_logp_B_T = logp_B_T.detach()
+            ratio_B_T = torch.exp(logp_B_T - prox_logp_B_T)
+            behave_B_T = torch.exp(prox_logp_B_T - sampler_logp_B_T)
+            weight_B_T = torch.clamp(behave_B_T, max=config.is_cap)
+            metrics["is_weight_mean"] = _masked_mean(weight_B_T, mask_B_T)
+            metrics["is_truncated_frac"] = _masked_mean((behave_B_T > config.is_cap).float(), mask_B_T)
+        else:
+            ratio_B_T = torch.exp(logp_B_T - sampler_logp_B_T)
         A_B_T = advantages_B.to(ratio_B_T.dtype).unsqueeze(-1).expand_as(ratio_B_T)
         metrics["ratio_mean"] = _masked_mean(ratio_B_T.detach(), mask_B_T)
         if loss == "importance_sampling":
@@ -94,9 +110,11 @@ def compute_loss(
             per_token_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
             # "clipped" = the clipped term won the min, so the token contributes no gradient.
             metrics["clip_frac"] = _masked_mean((clipped_B_T < unclipped_B_T).float(), mask_B_T)
+            if weight_B_T is not None:
+                per_token_B_T = per_token_B_T * weight_B_T
             if config.kl_coef > 0.0:
                 if ref_logp_B_T is None:
-                    raise InvalidRequestError("grpo with kl_coef > 0 needs reference logprobs")
+                    raise InvalidRequestError(f"{loss} with kl_coef > 0 needs reference logprobs")
                 k3_B_T = kl_k3(logp_B_T, ref_logp_B_T)
                 per_token_B_T = per_token_B_T + config.kl_coef * k3_B_T
                 metrics["kl"] = _masked_mean(k3_B_T.detach(), mask_B_T)
