@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
         help="vllm: the largest LoRA rank jobs may use (every adapter is padded to it; keep it small)",
     )
     p.add_argument(
+        "--max-loras",
+        type=int,
+        default=32,
+        help="vllm: adapters one batch may mix (vLLM's max_loras); more tenants wait their turn in arrival order",
+    )
+    p.add_argument(
         "--max-num-seqs",
         type=int,
         default=None,
@@ -181,6 +187,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         sampler=args.sampler or default_sampler(),
         max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs,
     )
     run_worker(config)

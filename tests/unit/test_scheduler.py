@@ -209,6 +209,21 @@ def test_a_job_that_outgrows_the_budget_when_sized_pushes_idle_state_out_first()
     assert s.used_bytes("w0") == 10 * G
 
 
+@pytest.mark.parametrize("policy", ["fifo", "plex"])
+def test_a_job_placed_while_the_device_is_over_budget_opens_once_there_is_room_without_a_move(policy: str) -> None:
+    """Its state does not exist before its open: there is nothing to move in (a move would reach a
+    worker that has no such job, fail, and be retried for ever)."""
+    s = Scheduler(policy)
+    s.handle(WorkerJoined("w0", memory_bytes=10 * G, swap_bytes_per_s=SWAP_BPS), 0.0)
+    s.handle(JobOpened("a"), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "open"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(JobSized("a", 12 * G), 1.0) == []  # over the budget, but a is running
+    s.handle(JobOpened("b"), 1.0)
+    assert s.handle(CallSubmitted(2, "b", "open"), 1.0) == []  # no room yet, and no Swap of nothing
+    assert s.handle(CallFinished(1), 2.0) == [Swap("a", "w0", "host", 12 * G)]
+    assert s.handle(SwapDone("a", 1.0), 3.0) == [Dispatch(2, "w0")]
+
+
 def test_a_failed_move_leaves_the_state_where_it_was() -> None:
     s = Scheduler("fifo")
     s.handle(WorkerJoined("w0", memory_bytes=10 * G, swap_bytes_per_s=SWAP_BPS), 0.0)

@@ -5,7 +5,7 @@ import pytest
 
 from plexrl.models import CharTokenizer
 from plexrl.models.tokenizer import EOS_TOKEN
-from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task, get_task, is_held_out
+from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task, get_task
 
 TASK_NAMES = sorted(TASKS)
 MODEL_POSITIONS = 1024  # the shipped model's max_position_embeddings
@@ -34,7 +34,7 @@ def test_the_eval_set_is_fixed_distinct_and_held_out(task: Task) -> None:
     assert problems == task.eval_set()
     assert len(problems) == EVAL_SIZE
     assert len({p.prompt for p in problems}) == EVAL_SIZE
-    assert all(is_held_out(p.prompt) for p in problems)
+    assert all(task.held_out(p) for p in problems)
 
 
 def test_the_eval_set_is_disjoint_from_training_problems(task: Task) -> None:
@@ -117,5 +117,47 @@ def test_sum_solutions_have_a_heavy_tailed_length() -> None:
 
 
 def test_an_unknown_task_name_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid tasks: add, mul, rev, sum"):
+    with pytest.raises(ValueError, match="valid tasks: add, mul, rev, search, sum"):
         get_task("sort")
+
+
+def test_the_search_corpus_is_fixed_and_bm25_finds_each_entitys_own_document_first() -> None:
+    from plexrl.tasks import search
+
+    docs = search.corpus()
+    assert docs == search.world().documents and len({d.title for d in docs}) == len(docs)  # every name unique
+    found = search.retriever()
+    for doc in docs:
+        assert found.search(doc.title)[0] == doc  # the title is named twice in its own document
+    assert found.search("") == [] and found.search("nobody") == []
+    assert search.information("nobody") == "<information>no results</information>\n"
+
+
+def test_search_questions_need_one_to_three_searches_and_the_reference_follows_the_environment() -> None:
+    task = get_task("search")
+    hops = set()
+    for p in task.sample(300, np.random.default_rng(1)):
+        segments = task.segments(p)
+        assert "".join(text for text, _ in segments) == p.answer
+        response = ""
+        for text, learned in segments:
+            if not learned:  # what the environment returned is exactly what it returns now
+                assert text == task.respond(p, response)
+            response += text
+        assert task.respond(p, response) is None  # the answer ends the trajectory
+        hops.add(sum(not learned for _, learned in segments))
+    assert hops == {1, 2, 3}
+
+
+def test_search_answers_are_exact_match_of_the_last_answer_and_held_out_people_stay_out() -> None:
+    from plexrl.tasks import search
+
+    task = get_task("search")
+    problem = task.eval_set()[0]
+    want = search.last_answer(problem.answer)
+    assert want is not None
+    assert task.score(problem, f"<search>x</search>\n<answer>wrong</answer>\n<answer>The {want}!</answer>") == 1.0
+    assert task.score(problem, f"<answer>{want}</answer>\n<answer>wrong</answer>") == 0.0
+    assert task.score(problem, f"<search>{want}</search>\n") == 0.0  # no answer given
+    people = {search._person(p) for p in task.sample(3000, np.random.default_rng(0))}
+    assert people.isdisjoint(search._person(p) for p in task.eval_set())

@@ -40,6 +40,8 @@ class LocalCluster:
         memory_budget_bytes: int | None = None,
         cpus_per_worker: int | None = None,
         max_num_seqs: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -56,6 +58,8 @@ class LocalCluster:
         self.policy = policy  # the coordinator's scheduling policy: fifo | dedicated | plex
         self.memory_budget_bytes = memory_budget_bytes  # each worker's device budget (None: its default)
         self.max_num_seqs = max_num_seqs  # vLLM workers: sequences decoded at once (None: vLLM's default)
+        self.max_loras = max_loras  # vLLM workers: adapters one batch may mix (None: the worker's default)
+        self.max_lora_rank = max_lora_rank  # vLLM workers: the largest adapter rank (None: the worker's default)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -115,6 +119,8 @@ class LocalCluster:
                 *(["--cpus", ",".join(map(str, self.cores[i]))] if self.cores else
                   ["--threads", str(self.threads_per_worker)]),
                 *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
+                *(["--max-loras", str(self.max_loras)] if self.max_loras else []),
+                *(["--max-lora-rank", str(self.max_lora_rank)] if self.max_lora_rank else []),
                 *(["--sampler", self.sampler] if self.sampler else []),
                 *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
                 *extra,

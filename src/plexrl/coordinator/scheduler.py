@@ -546,10 +546,20 @@ class Scheduler:
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
                 self._waiting.add(job.job_id)
-            if worker.moving is not None or job.state.tier != rs.HOST:
+            if first.kind == "open" and job.state.tier == rs.HOST:
+                # Its state does not exist yet: the open makes it on the device, so it needs room
+                # there, not a transfer (a move in would reach a worker that has nothing to move).
+                if worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
+                    job.state.tier = rs.DEVICE
+                    worker.used_bytes += job.state.state_bytes
+                    actions += self._dispatch(worker, now)
+                    return actions
+            elif worker.moving is not None or job.state.tier != rs.HOST:
                 continue  # one transfer at a time per worker
-            if worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
+            elif worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
                 actions.append(self._move(worker, job, rs.DEVICE))
+                continue
+            if worker.moving is not None:
                 continue
             victim = self._victim(worker, job, now)
             if victim is not None:

@@ -60,7 +60,7 @@ class Recipe:
     check_every: int = 25  # steps between validation checks
     validation_size: int = 100  # per task, drawn from the training side and kept out of training
     tokens_per_micro_batch: int = 4096  # rows x padded length of one forward/backward
-    tasks: tuple[str, ...] = ("add", "mul", "rev", "sum")
+    tasks: tuple[str, ...] = ("add", "mul", "rev", "sum", "search")
 
 
 @dataclass(frozen=True)
@@ -230,10 +230,15 @@ def _right_padded(rows: list[tuple[list[int], list[bool]]], T: int, pad_id: int)
 
 @torch.no_grad()
 def complete(
-    model: Any, prompts: list[str], temperature: float, max_new_tokens: list[int], seed: int = 0
+    model: Any,
+    prompts: list[list[int]],
+    temperature: float,
+    max_new_tokens: list[int],
+    seed: int = 0,
+    stop_ids: tuple[int, ...] = (),
 ) -> list[list[int]]:
-    """One completion per prompt (greedy when ``temperature`` is 0) of at most ``max_new_tokens[i]``
-    tokens: its new tokens up to EOS, included.
+    """One completion per prompt (token ids; greedy when ``temperature`` is 0) of at most
+    ``max_new_tokens[i]`` tokens: its new tokens up to EOS (or a ``stop_ids`` token), included.
 
     transformers ``generate`` with a KV cache on left-padded prompts, batched by budget (a batch
     decodes for its largest budget, and rows are cut to their own); sampling is deterministic
@@ -242,6 +247,7 @@ def complete(
     from transformers import GenerationConfig
 
     tok = CharTokenizer()
+    stops = {tok.eos_id, *stop_ids}
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
     order = sorted(range(len(prompts)), key=lambda i: (max_new_tokens[i], len(prompts[i])))
     completions: list[list[int]] = [[] for _ in prompts]
@@ -252,19 +258,52 @@ def complete(
             config = GenerationConfig(
                 max_new_tokens=max(max_new_tokens[i] for i in chunk),
                 do_sample=temperature > 0,
-                eos_token_id=tok.eos_id,
+                eos_token_id=sorted(stops),
                 pad_token_id=tok.pad_id,
                 **sampling,
             )
-            encoded = [tok.encode(prompts[i]) for i in chunk]
+            encoded = [prompts[i] for i in chunk]
             T = max(len(e) for e in encoded)
             ids_B_T = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in encoded])
             attention_B_T = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in encoded])
             out = model.generate(input_ids=ids_B_T, attention_mask=attention_B_T, generation_config=config)
             for i, row in zip(chunk, out[:, T:].tolist(), strict=True):
                 row = row[: max_new_tokens[i]]
-                completions[i] = row[: row.index(tok.eos_id) + 1] if tok.eos_id in row else row
+                end = next((k for k, t in enumerate(row) if t in stops), None)
+                completions[i] = row if end is None else row[: end + 1]
     return completions
+
+
+def respond_all(
+    model: Any, task: Task, problems: list[Problem], temperature: float, budgets: list[int], seed: int = 0
+) -> list[list[int]]:
+    """Each problem's response: for a multi-turn task the model's turns with the environment's
+    observations (``task.respond``) between them, up to ``task.max_turns`` turns and ``budgets[i]``
+    tokens in all; for any other task one completion."""
+    tok = CharTokenizer()
+    contexts = [tok.encode(p.prompt) for p in problems]
+    if task.turn_end is None:
+        return complete(model, contexts, temperature, budgets, seed)
+    (turn_end,) = tok.encode(task.turn_end, bos=False)
+    responses: list[list[int]] = [[] for _ in problems]
+    active = list(range(len(problems)))
+    for turn in range(task.max_turns):
+        left = [min(budgets[i] - len(responses[i]), task.max_turn_tokens or budgets[i]) for i in active]
+        outs = complete(model, [contexts[i] for i in active], temperature, left, seed + turn, (turn_end,))
+        going = []
+        for i, out in zip(active, outs, strict=True):
+            responses[i] += out
+            if out and out[-1] == turn_end and len(responses[i]) < budgets[i]:
+                observation = task.respond(problems[i], tok.decode(responses[i]))
+                if observation is not None:
+                    ids = tok.encode(observation, bos=False)[: budgets[i] - len(responses[i])]
+                    responses[i] += ids
+                    contexts[i] = contexts[i] + out + ids
+                    going.append(i)
+        active = [i for i in going if len(responses[i]) < budgets[i]]
+        if not active:
+            break
+    return responses
 
 
 def greedy_accuracy(model: Any, task: Task, problems: list[Problem]) -> float:
@@ -272,7 +311,7 @@ def greedy_accuracy(model: Any, task: Task, problems: list[Problem]) -> float:
     longer one is not the worked solution): cheap enough to check long tasks often."""
     tok = CharTokenizer()
     budgets = [min(task.max_tokens, len(tok.encode(p.answer, bos=False)) + 4) for p in problems]
-    completions = complete(model, [p.prompt for p in problems], 0.0, budgets)
+    completions = respond_all(model, task, problems, 0.0, budgets)
     return float(np.mean(_scores(task, problems, completions)))
 
 
@@ -285,8 +324,8 @@ def evaluate(model: Any, task: Task, seed: int) -> Scores:
     """Greedy accuracy and mean temperature-1 reward of ``model`` on ``task``'s held-out set."""
     problems = task.eval_set()
     repeated = problems * SAMPLES_PER_PROBLEM
-    sampled = complete(model, [p.prompt for p in repeated], 1.0, [task.max_tokens] * len(repeated), seed=seed)
-    greedy = complete(model, [p.prompt for p in problems], 0.0, [task.max_tokens] * len(problems))
+    sampled = respond_all(model, task, repeated, 1.0, [task.max_tokens] * len(repeated), seed=seed)
+    greedy = respond_all(model, task, problems, 0.0, [task.max_tokens] * len(problems))
     right = _scores(task, problems, greedy)
     by_terms: dict[int, list[float]] = {}
     if task.name == "sum":
@@ -359,7 +398,7 @@ deliberately only to *partial* competence so that RL (GRPO) has held-out reward 
 - Mixture and stopping: every {recipe.check_every} steps, greedy accuracy on {recipe.validation_size} validation problems
   per task (training-side problems kept out of training). Until the next check a task gets
   {recipe.problems_below_band} problems per step while below {recipe.band[0]:g}, {recipe.problems_in_band} while in [{recipe.band[0]:g}, {recipe.band[1]:g}], and none above.
-  Training ends at the first check where every task is in that band. (Reversal is learnt several
+  Training ends at the first check where every task is in that band, or where every task is above it. (Reversal is learnt several
   times faster than addition and, once learnt, is near perfect; without steering it would be
   solved long before addition started.)
 - Loss: cross-entropy on the answer tokens and EOS only.

@@ -18,7 +18,7 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2: TINY_CONFIG's
 
 # Every character the tasks use, ids 3.. in this order. Append only: reordering changes the ids
 # a trained model was made with.
-ALPHABET = "0123456789+-*/=:>(), abcdefghijklmnopqrstuvwxyz"
+ALPHABET = "0123456789+-*/=:>(), abcdefghijklmnopqrstuvwxyz<\n"
 VOCAB_SIZE = 64  # TINY_CONFIG's vocab_size; the ids after the alphabet are reserved tokens
 # A model samples from all VOCAB_SIZE ids, so the unused ones decode to visible (never rewarded) text.
 RESERVED_TOKENS = tuple(f"<unused{i}>" for i in range(len(SPECIAL_TOKENS) + len(ALPHABET), VOCAB_SIZE))

@@ -3,15 +3,17 @@
 Pure Python and numpy. ``get_task("add").sample(n, rng)`` gives training problems,
 ``.eval_set()`` a disjoint held-out set, and ``.score(problem, completion)`` the reward.
 ``add``, ``mul`` and ``rev`` have answers of a few tokens; ``sum`` has worked solutions whose
-length is heavy-tailed (tens to hundreds of tokens), as reasoning traces are.
+length is heavy-tailed (tens to hundreds of tokens), as reasoning traces are; ``search`` is a
+multi-turn agent's task (search a corpus with BM25, then answer; ``Task.respond`` is its environment).
 """
 
 from plexrl.tasks._base import EVAL_SIZE, Problem, Task, is_held_out
 from plexrl.tasks.arithmetic import Add, Mul
 from plexrl.tasks.reasoning import ChainSum
+from plexrl.tasks.search import SearchQA
 from plexrl.tasks.strings import Reverse
 
-TASKS: dict[str, Task] = {task.name: task for task in (Add(), Mul(), Reverse(), ChainSum())}
+TASKS: dict[str, Task] = {task.name: task for task in (Add(), Mul(), Reverse(), ChainSum(), SearchQA())}
 
 
 def get_task(name: str) -> Task:
@@ -22,4 +24,16 @@ def get_task(name: str) -> Task:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
 
 
-__all__ = ["EVAL_SIZE", "TASKS", "Add", "ChainSum", "Mul", "Problem", "Reverse", "Task", "get_task", "is_held_out"]
+__all__ = [
+    "EVAL_SIZE",
+    "TASKS",
+    "Add",
+    "ChainSum",
+    "Mul",
+    "Problem",
+    "Reverse",
+    "SearchQA",
+    "Task",
+    "get_task",
+    "is_held_out",
+]

@@ -33,6 +33,11 @@ class Task(ABC):
 
     name: str
     max_tokens: int  # new tokens that any reference answer and its EOS fit in (a sampling budget)
+    # A multi-turn task (an agent's): each model turn ends with ``turn_end``, after which
+    # ``respond`` gives the environment's observation, for at most ``max_turns`` turns.
+    turn_end: str | None = None
+    max_turns: int = 1
+    max_turn_tokens: int | None = None  # new tokens one turn may take (None: the whole budget)
 
     @abstractmethod
     def draw(self, rng: np.random.Generator) -> Problem:
@@ -43,7 +48,7 @@ class Task(ABC):
         problems: list[Problem] = []
         while len(problems) < n:
             problem = self.draw(rng)
-            if not is_held_out(problem.prompt):
+            if not self.held_out(problem):
                 problems.append(problem)
         return problems
 
@@ -53,14 +58,23 @@ class Task(ABC):
         problems: dict[str, Problem] = {}
         while len(problems) < EVAL_SIZE:
             problem = self.draw(rng)
-            if is_held_out(problem.prompt):
+            if self.held_out(problem):
                 problems.setdefault(problem.prompt, problem)
         return list(problems.values())
+
+    def held_out(self, problem: Problem) -> bool:
+        """Whether ``problem`` is on the evaluation side of the split (by default: its prompt's hash)."""
+        return is_held_out(problem.prompt)
 
     def segments(self, problem: Problem) -> list[tuple[str, bool]]:
         """The reference completion as ``(text, learned)`` pieces. Pretraining puts its loss on the
         learned pieces only; a tool-using format marks the observations it is given as not learned."""
         return [(problem.answer, True)]
+
+    def respond(self, problem: Problem, response: str) -> str | None:
+        """The environment's observation after a turn ending in ``turn_end`` (``response``: the
+        whole response so far, observations included), or None when the trajectory is over."""
+        return None
 
     def score(self, problem: Problem, completion: str) -> float:
         """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer

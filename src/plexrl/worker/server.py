@@ -76,6 +76,7 @@ class WorkerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sampler: str = "hf"  # "vllm" | "hf"
     max_lora_rank: int = 8  # vLLM only: the largest LoRA rank its jobs may use
+    max_loras: int = 32  # vLLM only: adapters one batch may mix
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
 
 
@@ -111,7 +112,11 @@ class Worker:
         from plexrl.worker.engine import Engine
         from plexrl.worker.sampler.vllm import VllmConfig
 
-        vllm = VllmConfig(max_lora_rank=self.config.max_lora_rank, max_num_seqs=self.config.max_num_seqs)
+        vllm = VllmConfig(
+            max_loras=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
+            max_num_seqs=self.config.max_num_seqs,
+        )
         return Engine(device=self.config.device, sampler=self.config.sampler, vllm_config=vllm)
 
     def serve(self) -> None:

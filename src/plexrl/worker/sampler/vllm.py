@@ -39,9 +39,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from plexrl.errors import InvalidRequestError, SamplerUnavailableError
+from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
+from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
 
 log = logging.getLogger("plexrl.worker")
 
@@ -69,11 +70,22 @@ class VllmConfig:
     start_timeout_s: float = 600.0
 
 
-@dataclass
-class _Adapter:
-    name: str
-    lora_id: int
-    path: Path
+class _EngineAdapters:
+    """The registry's view of a vLLM engine: ``add_lora`` / ``remove_lora`` on its loop."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def load(self, adapter: AdapterVersion) -> None:
+        from vllm.lora.request import LoRARequest
+
+        await self.engine.add_lora(LoRARequest(adapter.name, adapter.lora_id, str(adapter.path)))
+
+    async def unload(self, adapter: AdapterVersion) -> None:
+        await self.engine.remove_lora(adapter.lora_id)
+
+    def delete(self, adapter: AdapterVersion) -> None:
+        shutil.rmtree(adapter.path, ignore_errors=True)
 
 
 class VllmSampler:
@@ -83,8 +95,6 @@ class VllmSampler:
         self.model_path = model_path
         self.config = config or VllmConfig()
         self.lora = lora
-        self._adapters: dict[str, _Adapter] = {}  # job key -> its current adapter version
-        self._ids = itertools.count(1)
         self._requests = itertools.count()
         self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
         self.sleeping: int | None = None  # the level slept at, None when awake
@@ -97,6 +107,10 @@ class VllmSampler:
         except BaseException:
             self._stop_loop()
             raise
+        # Adapters vLLM's CPU-side cache holds (beyond, the least recently used idle one goes), and
+        # the adapters one batch can mix (more wait their turn, in arrival order).
+        self._registry = AdapterRegistry(_EngineAdapters(self._engine), max_loaded=2 * self.config.max_loras)
+        self._admission = FairAdmission(max_active=self.config.max_loras)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -212,27 +226,20 @@ class VllmSampler:
             )
 
     def set_adapter(self, key: str, version: int, tensors: dict[str, torch.Tensor], peft_config: Any) -> None:
-        """Serve ``key``'s adapter at ``version`` from now on; the previous version is dropped.
+        """Serve ``key``'s adapter at ``version`` from now on (loaded on its first request); the
+        previous version goes once no request uses it.
 
         ``tensors`` are in PEFT's saved layout (``base_model.model....lora_A.weight``) and
         ``peft_config`` is the adapter's ``peft.LoraConfig``.
         """
-        from vllm.lora.request import LoRARequest
-
-        name, lora_id = f"{key}@v{version}", next(self._ids)
-        path = self._dir / f"{name}-{lora_id}"
+        path = self._dir / f"{key}@v{version}-{next(self._requests)}"
         path.mkdir()
         save_file(
             {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()},
             path / "adapter_model.safetensors",
         )
         peft_config.save_pretrained(str(path))
-        adapter = _Adapter(name, lora_id, path)
-        self._call(self._engine.add_lora(LoRARequest(name, adapter.lora_id, str(path))), 120)
-        old = self._adapters.get(key)
-        self._adapters[key] = adapter
-        if old is not None:
-            self._remove(old)
+        self._call(self._registry.publish(key, version, path), 120)
 
     def refit(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights with ``tensors`` (a transformers state dict of the model).
@@ -261,13 +268,7 @@ class VllmSampler:
             shutil.rmtree(path, ignore_errors=True)
 
     def drop_adapter(self, key: str) -> None:
-        old = self._adapters.pop(key, None)
-        if old is not None:
-            self._remove(old)
-
-    def _remove(self, adapter: _Adapter) -> None:
-        self._call(self._engine.remove_lora(adapter.lora_id), 120)
-        shutil.rmtree(adapter.path, ignore_errors=True)
+        self._call(self._registry.drop(key), 120)
 
     # -- sampling -------------------------------------------------------------------------------
 
@@ -283,15 +284,12 @@ class VllmSampler:
         priority: int = 0,
     ) -> Future[Generated]:
         """Start sampling ``params.n`` completions per prompt with ``key``'s adapter (None = base)."""
-        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
         from vllm import SamplingParams as VllmParams
 
-        adapter = self._adapters.get(key) if key is not None else None
-        if key is not None and adapter is None:
+        if key is not None and key not in self._registry:
             raise InvalidRequestError(f"no adapter is published for {key!r} on this worker's vLLM sampler")
-        request = None if adapter is None else LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
         stop = sorted({*stop_token_ids, *params.stop_token_ids})
         vparams = [
             VllmParams(
@@ -315,10 +313,43 @@ class VllmSampler:
         # under one version of a job's weights is never reused under another, by construction
         # rather than by remembering to reset the cache after every refit.
         salt = f"{key}@v{weight_version}"
-        coro = self._sample(rows, vparams, ids, request, priority, set(stop), params.n, weight_version, salt)
+        coro = self._sample(rows, vparams, ids, key, priority, set(stop), params.n, weight_version, salt)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _sample(
+        self,
+        rows: list[list[int]],
+        vparams: list[Any],
+        ids: list[str],
+        key: str | None,
+        priority: int,
+        stop: set[int],
+        n: int,
+        weight_version: int,
+        salt: str,
+    ) -> Generated:
+        """Wait for the adapter's turn (fair across tenants), hold it while the requests run."""
+        if key is None:  # an engine of one full fine-tune job: no adapter
+            return await self._run(rows, vparams, ids, None, priority, stop, n, weight_version, salt)
+        from vllm.lora.request import LoRARequest
+
+        await self._admission.admit(key)
+        try:
+            adapter = await self._registry.acquire(key)
+            try:
+                if adapter.version != weight_version:  # the scheduler orders a job's syncs after its generates
+                    raise CallFailedError(
+                        f"{key!r} asked for weight version {weight_version} but vLLM serves version "
+                        f"{adapter.version}: a sync_weights overtook a generate"
+                    )
+                request = LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
+                return await self._run(rows, vparams, ids, request, priority, stop, n, weight_version, salt)
+            finally:
+                await self._registry.release(adapter)
+        finally:
+            self._admission.done(key)
+
+    async def _run(
         self,
         rows: list[list[int]],
         vparams: list[Any],
