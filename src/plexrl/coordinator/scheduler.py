@@ -526,6 +526,12 @@ class Scheduler:
             # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
             first = startable[0]
             needs_state = job.home == worker.worker_id
+            room = worker.used_bytes + job.state.state_bytes <= worker.memory_bytes
+            if needs_state and first.kind == "open" and job.state.tier == rs.HOST and room:
+                # Its state does not exist yet: the open makes it on the device, so it needs room
+                # there, not a transfer (a move in would reach a worker that has nothing to move).
+                job.state.tier = rs.DEVICE
+                worker.used_bytes += job.state.state_bytes
             if not needs_state or job.state.tier == rs.DEVICE or (first.kind == "close" and job.state.tier == rs.HOST):
                 for call in startable:
                     if len(worker.running) >= worker.slots:
@@ -546,20 +552,10 @@ class Scheduler:
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
                 self._waiting.add(job.job_id)
-            if first.kind == "open" and job.state.tier == rs.HOST:
-                # Its state does not exist yet: the open makes it on the device, so it needs room
-                # there, not a transfer (a move in would reach a worker that has nothing to move).
-                if worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
-                    job.state.tier = rs.DEVICE
-                    worker.used_bytes += job.state.state_bytes
-                    actions += self._dispatch(worker, now)
-                    return actions
-            elif worker.moving is not None or job.state.tier != rs.HOST:
+            if worker.moving is not None or job.state.tier != rs.HOST:
                 continue  # one transfer at a time per worker
-            elif worker.used_bytes + job.state.state_bytes <= worker.memory_bytes:
+            if room:
                 actions.append(self._move(worker, job, rs.DEVICE))
-                continue
-            if worker.moving is not None:
                 continue
             victim = self._victim(worker, job, now)
             if victim is not None:

@@ -22,6 +22,7 @@ sampler state is its adapter, added and dropped in milliseconds (see ``docs/arch
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -29,7 +30,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +78,19 @@ class _EngineAdapters:
         self.engine = engine
 
     async def load(self, adapter: AdapterVersion) -> None:
-        from vllm.lora.request import LoRARequest
-
-        await self.engine.add_lora(LoRARequest(adapter.name, adapter.lora_id, str(adapter.path)))
+        await self.engine.add_lora(_lora_request(adapter))
 
     async def unload(self, adapter: AdapterVersion) -> None:
         await self.engine.remove_lora(adapter.lora_id)
 
     def delete(self, adapter: AdapterVersion) -> None:
         shutil.rmtree(adapter.path, ignore_errors=True)
+
+
+def _lora_request(adapter: AdapterVersion) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
 
 
 class VllmSampler:
@@ -313,26 +318,16 @@ class VllmSampler:
         # under one version of a job's weights is never reused under another, by construction
         # rather than by remembering to reset the cache after every refit.
         salt = f"{key}@v{weight_version}"
-        coro = self._sample(rows, vparams, ids, key, priority, set(stop), params.n, weight_version, salt)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        run = functools.partial(self._run, rows, vparams, ids, priority, set(stop), params.n, weight_version, salt)
+        return asyncio.run_coroutine_threadsafe(self._sample(key, weight_version, run), self._loop)
 
     async def _sample(
-        self,
-        rows: list[list[int]],
-        vparams: list[Any],
-        ids: list[str],
-        key: str | None,
-        priority: int,
-        stop: set[int],
-        n: int,
-        weight_version: int,
-        salt: str,
+        self, key: str | None, weight_version: int, run: Callable[[Any], Awaitable[Generated]]
     ) -> Generated:
-        """Wait for the adapter's turn (fair across tenants), hold it while the requests run."""
-        if key is None:  # an engine of one full fine-tune job: no adapter
-            return await self._run(rows, vparams, ids, None, priority, stop, n, weight_version, salt)
-        from vllm.lora.request import LoRARequest
-
+        """``run`` the requests with ``key``'s adapter once it is its turn (fair across tenants),
+        holding the adapter while they run; ``key`` None: an engine of one full fine-tune job."""
+        if key is None:
+            return await run(None)
         await self._admission.admit(key)
         try:
             adapter = await self._registry.acquire(key)
@@ -342,8 +337,7 @@ class VllmSampler:
                         f"{key!r} asked for weight version {weight_version} but vLLM serves version "
                         f"{adapter.version}: a sync_weights overtook a generate"
                     )
-                request = LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
-                return await self._run(rows, vparams, ids, request, priority, stop, n, weight_version, salt)
+                return await run(_lora_request(adapter))
             finally:
                 await self._registry.release(adapter)
         finally:
@@ -354,12 +348,12 @@ class VllmSampler:
         rows: list[list[int]],
         vparams: list[Any],
         ids: list[str],
-        request: Any,
         priority: int,
         stop: set[int],
         n: int,
         weight_version: int,
         salt: str,
+        request: Any,
     ) -> Generated:
         async def one(row: list[int], sp: Any, rid: str) -> Any:
             final = None
