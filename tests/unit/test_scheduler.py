@@ -331,6 +331,19 @@ def test_a_disaggregated_job_samples_on_another_worker_and_syncs_across_both() -
     assert [(type(a), a.call_id) for a in lost] == [(Fail, 4)]  # type: ignore[union-attr]
 
 
+def test_losing_a_disaggregated_jobs_sampler_worker_frees_its_home_slot_for_another_job() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", slots=1), 0.0)
+    s.handle(WorkerJoined("w1", slots=1), 0.0)
+    assert s.handle(JobOpened("d", disaggregated=True), 0.0) == [Place("d", "w0", "w1")]
+    assert s.handle(JobOpened("f"), 0.0) == [Place("f", "w1")]
+    assert s.handle(JobOpened("g"), 0.0) == [Place("g", "w0")]  # beside d
+    assert s.handle(CallSubmitted(1, "d", "forward_backward"), 1.0) == [Dispatch(1, "w0")]  # w0's only slot
+    assert s.handle(CallSubmitted(2, "g", "generate"), 1.0) == []  # queued behind it
+    lost = s.handle(WorkerLost("w1", "test"), 2.0)  # d's sampler worker: d is lost, its slot on w0 freed
+    assert (Fail("d", 1, lost[0].error) in lost) and Dispatch(2, "w0") in lost  # type: ignore[union-attr]
+
+
 def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) -> bool:
     """Plex's rule for moving ``swap.job_id`` out: its expected idle gap exceeds moving it out and
     back (break-even), or a job waiting on that worker has hit its starvation bound."""
@@ -366,6 +379,7 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
     _moved,
     _moved,
     st.tuples(st.just("lose"), st.integers(0, 9)),
+    st.tuples(st.just("close"), st.integers(0, 9)),
     st.tuples(st.just("cancel"), st.integers(0, 99)),
     st.tuples(st.just("tick"), st.integers(1, 300)),
 )
@@ -377,6 +391,10 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
 # Always tried besides the random ones: a sync_weights (KINDS[5]) submitted while a generate runs
 # on a worker with a free slot (random sequences rarely keep a generate running that long).
 @example(ops=[("join", 2), ("open", 0), ("submit", 0), ("submit", 50), ("finish", 0)])
+# And: a disaggregated job's sampler worker lost while the job holds its home's only slot, another
+# job's generate queued there (the freed slot must start it).
+@example(ops=[("join", 1), ("join", 1), ("open", 3), ("open", 0), ("open", 0), ("submit", 30), ("submit", 2),
+              ("lose", 1)])  # fmt: skip
 def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
     s = Scheduler(policy)
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
@@ -396,8 +414,8 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
         for a in actions:
             if isinstance(a, Place):
                 assert a.worker_id in workers
-                if policy == "dedicated":  # (no job closes in these sequences)
-                    assert a.worker_id not in homes.values(), "dedicated: one job per worker"
+                if policy == "dedicated":
+                    assert a.worker_id not in homes.values(), "dedicated: one job per worker (closed ones gone)"
                 homes[a.job_id] = a.worker_id
                 samplers[a.job_id] = a.sampler_id or a.worker_id
                 assert a.sampler_id in ("", *workers) and a.sampler_id != a.worker_id
@@ -490,6 +508,14 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
         elif kind == "tick":
             t += arg
             check(s.handle(Tick(), t))
+        elif kind == "close" and homes:
+            j = sorted(homes)[arg % len(homes)]
+            if any(c not in outcome or c in running for c in submitted[j]) or any(mj == j for mj, _ in moving.values()):
+                continue  # a script closes a job once its calls are settled
+            if resident.get(j) and homes[j] in workers:
+                device[homes[j]] -= sizes[j]
+            del homes[j], submitted[j]
+            check(s.handle(JobClosed(j), t))
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
             del workers[w]

@@ -131,6 +131,9 @@ def test_the_search_corpus_is_fixed_and_bm25_finds_each_entitys_own_document_fir
         assert found.search(doc.title)[0] == doc  # the title is named twice in its own document
     assert found.search("") == [] and found.search("nobody") == []
     assert search.information("nobody") == "<information>no results</information>\n"
+    task = get_task("search")  # a search that found nothing is a failed tool call
+    assert not task.observation_ok(search.information("nobody"))
+    assert task.observation_ok(search.information(docs[0].title))
 
 
 def test_search_questions_need_one_to_three_searches_and_the_reference_follows_the_environment() -> None:

@@ -480,6 +480,7 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
+        freed: set[str] = set()  # surviving workers where a lost job's calls held slots
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
             job.lost = (
@@ -496,11 +497,14 @@ class Scheduler:
                         other.running.discard(call_id)
                         other.training.discard(call_id)
                         self.ledger.call_finished(other.worker_id, job_id, now)
+                        freed.add(other.worker_id)
                 job.queues[lane].clear()
                 job.running[lane].clear()
             job.unfinished.clear()
             job.barriers.clear()
             self._waiting.discard(job_id)
+        for worker_id in sorted(freed):  # the slots freed there may start other jobs' calls
+            actions += self._dispatch(self._workers[worker_id], now)
         return actions
 
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:

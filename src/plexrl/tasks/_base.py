@@ -76,6 +76,10 @@ class Task(ABC):
         whole response so far, observations included), or None when the trajectory is over."""
         return None
 
+    def observation_ok(self, observation: str) -> bool:
+        """Whether the tool call behind ``observation`` succeeded (``Turn.ok``; a scheduler's signal)."""
+        return True
+
     def score(self, problem: Problem, completion: str) -> float:
         """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer
         (a task whose answer is a worked solution checks only its final result)."""

@@ -35,6 +35,7 @@ from plexrl.models.tokenizer import EOS_TOKEN
 from plexrl.tasks._base import Problem, Task
 
 TOP_K = 2  # documents per search result
+NO_RESULTS = "no results"  # the information of a search that found nothing
 SEED = 20261201  # the corpus's: change it and every question changes
 TURN_END = "\n"  # ends each of the model's turns; the environment answers a search after it
 MAX_TURNS = 4  # searches and the answer
@@ -129,7 +130,7 @@ def retriever() -> Retriever:
 def information(query: str) -> str:
     """What the environment appends after ``<search>query</search>``."""
     found = retriever().search(query)
-    return "<information>" + (", ".join(d.text for d in found) or "no results") + "</information>" + TURN_END
+    return "<information>" + (", ".join(d.text for d in found) or NO_RESULTS) + "</information>" + TURN_END
 
 
 def normalize(answer: str) -> str:
@@ -196,6 +197,10 @@ class SearchQA(Task):
         if not found or _ANSWER.search(turn):
             return None
         return information(found[-1])
+
+    def observation_ok(self, observation: str) -> bool:
+        """A search that found nothing is a failed tool call."""
+        return NO_RESULTS not in observation
 
     def score(self, problem: Problem, completion: str) -> float:
         """1.0 iff the response ends with its ``<answer>`` (then EOS) and that answer matches."""
