@@ -68,7 +68,8 @@ async def main(args: argparse.Namespace) -> None:
         async for step in train_async(job, group, groups_per_step=args.prompts, steps=args.steps, loss=loss):
             m = step.result.metrics
             print(f"step {step.step:3d}  reward {np.mean(step.rewards):.3f}  loss {step.result.loss:+.4f}  "
-                  f"staleness mean {m.get('staleness_mean', 0):.2f} max {m.get('staleness_max', 0):.0f}", flush=True)  # fmt: skip
+                  f"staleness mean {m.get('staleness_mean', 0):.2f} max {m.get('staleness_max', 0):.0f}  "
+                  f"dropped {step.dropped}", flush=True)  # fmt: skip
         after, greedy_after, final = await held_out(job)
     counts = collections.Counter(len(t.turns) for t in final)
     hit = plexrl.prefix_cache_hit_rate(final)

@@ -96,3 +96,36 @@ async def test_a_failing_group_fails_the_trainer_and_nothing_is_left_running() -
                 pass
     assert waiting and all(f.cancelled() for f in waiting)
     assert job.trained == []  # no step was half taken
+
+
+@pytest.mark.asyncio
+async def test_a_group_that_completes_more_than_k_versions_behind_is_dropped_and_replaced() -> None:
+    job = StandInJob(max_staleness=1)
+    release = {i: asyncio.Event() for i in range(6)}
+    started = {i: asyncio.Event() for i in range(6)}
+
+    async def group(index: int) -> tuple[list[Trajectory], list[float]]:
+        trajs = [trajectory(job), trajectory(job)]  # sampled at the version it starts under
+        started[index].set()
+        await release[index].wait()
+        return trajs, [0.0, 1.0]
+
+    steps = train_async(job, group, groups_per_step=1, steps=3)  # type: ignore[arg-type]
+    async with asyncio.timeout(5):
+        first = asyncio.ensure_future(anext(steps))
+        await started[1].wait()  # k = 1: groups 0 and 1 start at version 0
+        release[0].set()
+        assert (await first).groups == [0]  # version 1
+        second = asyncio.ensure_future(anext(steps))
+        await started[2].wait()  # started at version 1
+        release[2].set()
+        assert (await second).groups == [2]  # version 2: group 1 (version 0) is now 2 behind
+        third = asyncio.ensure_future(anext(steps))
+        await started[3].wait()
+        release[1].set()  # completes too stale: dropped, and its place goes to a new group
+        await started[4].wait()
+        release[4].set()
+        step = await third
+        await steps.aclose()
+    assert step.groups == [4] and step.dropped == 1
+    assert job.trained == [[0, 0], [1, 1], [2, 2]]  # every trained row within k = 1 of the trainer

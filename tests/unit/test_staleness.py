@@ -57,5 +57,9 @@ async def test_recovery_counts_the_checkpoint_as_trained_and_misuse_is_refused()
     fresh = StalenessGate(0, 1)
     with pytest.raises(InvalidRequestError, match="without a matching admit"):
         fresh.finish()
+    with pytest.raises(InvalidRequestError, match="without an accepted sample"):
+        fresh.discard()
+    gate.discard()  # one accepted sample too stale to train on: its place is free again
+    assert gate.accepted == 19 and await admitted(gate, 100) == 1
     with pytest.raises(InvalidRequestError, match="max_staleness >= 0"):
         StalenessGate(-1, 4)

@@ -10,8 +10,12 @@
 The producer keeps starting groups while the trainer trains, as far ahead as the job's
 ``max_staleness`` lets it (:class:`StalenessGate`, AReaL's rule, counted in groups: a group is
 admitted at one version), so tool waits and long tails of one step overlap the training of the one
-before. The trainer takes the first ``groups_per_step`` groups to complete, in completion order,
-trains on them (``decoupled_ppo`` by default: the sampler's logprobs are the behaviour policy,
+before. The trainer takes the first ``groups_per_step`` groups to complete, in completion order.
+The gate bounds the staleness of groups consumed in admission order only: a slow group admitted
+early may complete after k more steps, so a group whose oldest sampled token is more than k
+versions behind when the trainer gets to it is dropped (``AsyncStep.dropped``) and its place freed
+for a new one (the drop-at-consume sweep that makes the bound a guarantee). The trainer then trains
+on them (``decoupled_ppo`` by default: the sampler's logprobs are the behaviour policy,
 importance weights truncated), publishes the new weights, and reports what the step trained on:
 its metrics hold the staleness of the sampled tokens (``staleness_mean``, ``staleness_max``, in
 versions behind the trainer's). With ``max_staleness=0`` it is synchronous GRPO. Groups still in
@@ -50,6 +54,7 @@ class AsyncStep:
     groups: list[int]  # the indices of the groups it trained on
     rewards: list[float]  # every trajectory's reward, group by group
     result: Optimized
+    dropped: int = 0  # groups that completed too stale to train on while this step gathered its own
 
 
 async def train_async(
@@ -96,10 +101,16 @@ async def train_async(
     try:
         for step in range(1, steps + 1):
             taken: list[Scored] = []
+            dropped = 0
             while len(taken) < groups_per_step:
                 item = await done.get()
                 if isinstance(item, Exception):
                     raise item
+                oldest = min((t.weight_version for traj in item[1] for t in traj.turns), default=gate.version)
+                if oldest < gate.version - gate.max_staleness:
+                    gate.discard()
+                    dropped += 1
+                    continue
                 taken.append(item)
             trajs = [t for _, ts, _ in taken for t in ts]
             rewards = [float(r) for _, _, rs in taken for r in rs]
@@ -107,7 +118,7 @@ async def train_async(
             result = await job.optimize(trajectory_batch(trajs, rewards, ids), loss, loss_config)
             synced = await job.sync_weights()
             gate.publish(synced.weight_version)
-            yield AsyncStep(step, synced.weight_version, [i for i, _, _ in taken], rewards, result)
+            yield AsyncStep(step, synced.weight_version, [i for i, _, _ in taken], rewards, result, dropped)
     finally:
         feeding.cancel()
         for task in list(running):

@@ -67,6 +67,14 @@ class StalenessGate:
         self.accepted += int(accepted)
         self._notify()
 
+    def discard(self) -> None:
+        """An accepted sample will not be trained on after all (it was too stale by the time the
+        trainer got to it): it no longer counts, so a producer may start one in its place."""
+        if self.accepted <= 0:
+            raise InvalidRequestError("StalenessGate.discard() without an accepted sample")
+        self.accepted -= 1
+        self._notify()
+
     def publish(self, version: int) -> None:
         """The trainer published ``version``: producers may run ahead of it again."""
         if version < self.version:
