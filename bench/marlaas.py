@@ -53,10 +53,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import asyncio
 import collections
+import functools
 import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,6 @@ TOKENIZER = CharTokenizer()
 KINDS = ("sum", "search")
 RANKS = (2, 4, 8)
 EVAL_KEY = 1 << 20  # the held-out evaluation's place among the steps in seeds
-MODES = ("solo", "together")
 
 
 @dataclass(frozen=True)
@@ -157,42 +158,36 @@ async def trajectories(
     )))  # fmt: skip
 
 
-async def step_batch(
-    job: plexrl.Job, task: Task, problems: list[Problem], keys: tuple[int, ...], args: Any, run: Run
-) -> plexrl.Batch:
-    """One rollout of ``args.group`` samples per problem, scored, as a GRPO batch."""
+async def rollout(
+    job: plexrl.Job,
+    task: Task,
+    problems: list[Problem],
+    copies: int,
+    keys: tuple[int, ...],
+    args: Any,
+    run: Run,
+    *,
+    greedy: bool,
+) -> tuple[list[float], Callable[[], plexrl.Batch]]:
+    """``copies`` samples per problem (agent trajectories, or one generate of a single-turn task),
+    recorded in ``run``: their rewards, and how to make their GRPO batch."""
     if task.turn_end is not None:
-        trajs = await trajectories(job, task, problems, args.group, keys, args, greedy=False)
+        trajs = await trajectories(job, task, problems, copies, keys, args, greedy)
         for t in trajs:
             run.sampled(len(t), [turn.tokens for turn in t.turns])
-        run.turns += [len(t.turns) for t in trajs]
-        rewards = [task.score(problems[i // args.group], completion(t, TOKENIZER)) for i, t in enumerate(trajs)]
-        run.rewards.append(float(np.mean(rewards)))
-        return plexrl.trajectory_batch(trajs, rewards, np.repeat(np.arange(len(problems)), args.group))
+        if not greedy:
+            run.turns += [len(t.turns) for t in trajs]
+        rewards = [task.score(problems[i // copies], completion(t, TOKENIZER)) for i, t in enumerate(trajs)]
+        groups = np.repeat(np.arange(len(problems)), copies)
+        return rewards, functools.partial(plexrl.trajectory_batch, trajs, rewards, groups)
     prompts = [TOKENIZER.encode(p.prompt) for p in problems]
-    out = await job.generate(
-        prompts, plexrl.SamplingParams(n=args.group, max_tokens=task.max_tokens, seed=seed_of(*keys))
-    )
+    params = plexrl.SamplingParams(n=copies, max_tokens=task.max_tokens, temperature=0.0 if greedy else 1.0,
+                                   seed=seed_of(*keys))  # fmt: skip
+    out = await job.generate(prompts, params)
     for s in out.samples:
         run.sampled(len(prompts[s.prompt_index]) + len(s.tokens), [s.tokens])
     rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
-    run.rewards.append(float(np.mean(rewards)))
-    return plexrl.grpo_batch(prompts, out, rewards)
-
-
-async def held_out(job: plexrl.Job, task: Task, keys: tuple[int, ...], args: Any, run: Run) -> float:
-    """Greedy reward on the task's first ``args.eval`` held-out problems (the agent's tools as in training)."""
-    problems = task.eval_set()[: args.eval]
-    if task.turn_end is not None:
-        trajs = await trajectories(job, task, problems, 1, keys, args, greedy=True)
-        for t in trajs:
-            run.sampled(len(t), [turn.tokens for turn in t.turns])
-        return float(np.mean([task.score(p, completion(t, TOKENIZER)) for p, t in zip(problems, trajs, strict=True)]))
-    prompts = [TOKENIZER.encode(p.prompt) for p in problems]
-    out = await job.generate(prompts, plexrl.SamplingParams(max_tokens=task.max_tokens, temperature=0.0))
-    for s in out.samples:
-        run.sampled(len(prompts[s.prompt_index]) + len(s.tokens), [s.tokens])
-    return float(np.mean([task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]))
+    return rewards, functools.partial(plexrl.grpo_batch, prompts, out, rewards)
 
 
 async def task_run(spec: Spec, rep: int, args: Any, t0: float) -> Run:
@@ -203,11 +198,15 @@ async def task_run(spec: Spec, rep: int, args: Any, t0: float) -> Run:
     lora, adamw = plexrl.LoRA(rank=spec.rank), plexrl.AdamW(lr=args.lr)
     async with plexrl.job(spec.name, model=TINY_MODEL, lora=lora, optimizer=adamw, seed=1000 * rep + spec.index) as job:
         for step in range(args.steps):
-            batch = await step_batch(job, task, task.sample(args.prompts, rng), (rep, spec.index, step), args, run)
+            problems, keys = task.sample(args.prompts, rng), (rep, spec.index, step)
+            rewards, make_batch = await rollout(job, task, problems, args.group, keys, args, run, greedy=False)
+            run.rewards.append(float(np.mean(rewards)))
+            batch = make_batch()
             run.trained += [len(row) for row in batch.tokens]
             await job.optimize(batch, loss="grpo")
             await job.sync_weights()
-        run.final_reward = await held_out(job, task, (rep, spec.index, EVAL_KEY), args, run)
+        held, keys = task.eval_set()[: args.eval], (rep, spec.index, EVAL_KEY)  # greedy, tools as in training
+        run.final_reward = float(np.mean((await rollout(job, task, held, 1, keys, args, run, greedy=True))[0]))
         stats = await job.stats()
     run.end = time.perf_counter() - t0
     run.accelerator_s, run.swaps, run.state_bytes = stats.accelerator_s, stats.swaps, stats.state_bytes
@@ -217,6 +216,7 @@ async def task_run(spec: Spec, rep: int, args: Any, t0: float) -> Run:
 # -- the work in FLOPs, and the device's peak -------------------------------------------------------
 
 
+@functools.cache
 def model_shape() -> tuple[int, int]:
     """(matmul parameters per token, attention FLOPs per token per position before it)."""
     c = json.loads((Path(TINY_MODEL) / "config.json").read_text())

@@ -55,8 +55,8 @@ async def play(
     prompt = tokenizer.encode(problem.prompt)
     traj = job.trajectory(prompt, max_turns=task.max_turns, max_tokens=len(prompt) + task.max_tokens)
     while True:
-        turn_params_ = params if seed is None else msgspec.structs.replace(params, seed=seed + len(traj.turns))
-        if await traj.generate(turn_params_) is None:
+        this_turn = params if seed is None else msgspec.structs.replace(params, seed=seed + len(traj.turns))
+        if await traj.generate(this_turn) is None:
             break
         start = time.monotonic()
         response = completion(traj, tokenizer)
