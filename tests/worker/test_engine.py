@@ -43,6 +43,7 @@ from plexrl.protocol.calls import (
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
 from plexrl.worker.engine import Engine
 from plexrl.worker.trainer import checkpoint
+from plexrl.worker.trainer import job as trainer_job
 
 PROMPTS = [[1, 5, 6, 7], [1, 9]]
 STOPS = (5, 6, 7, 8, 9, 10, 11, 12)  # many stop tokens, so rows both stop and run to length
@@ -313,6 +314,54 @@ def test_two_half_batch_calls_step_like_one_full_batch_call(tiny_model: Path, tm
                 engine.execute("j", ForwardBackward(ce_batch(part), loss="cross_entropy"))
             engine.execute("j", OptimStep())
         weights.append(saved_weights(engine, "j", tmp_path / str(len(split))))
+    assert_same_weights(weights[0], weights[1], atol=1e-6)
+
+
+def test_length_groups_cover_every_row_once_within_the_padding_bound() -> None:
+    lengths = np.array([33, 477, 120, 53, 472, 71, 327, 33, 160, 464, 9])
+    groups = trainer_job.length_groups(lengths, waste=0.25)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+    for g in groups:
+        assert lengths[g].min() >= 0.75 * lengths[g].max()
+    assert len(groups) > 1  # a long-tailed batch is split
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_length_groups_change_nothing_a_step_computes(
+    tiny_model: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long-tailed GRPO batch, trained padded as one group and in length groups: the same loss,
+    # metrics and weights (up to float rounding).
+    rows = [[1, *range(3, 3 + n)] for n in (40, 3, 25, 6, 38, 4, 12)]
+    rng = np.random.default_rng(0)
+    batch = Batch(
+        tokens=Ragged.from_rows(rows, "int32"),
+        prompt_lens_B=np.full(len(rows), 2, np.int32),
+        sampler_logprobs=Ragged.from_rows([(-rng.random(len(r) - 2)).tolist() for r in rows], "float32"),
+        advantages_B=rng.standard_normal(len(rows)).astype(np.float32),
+    )
+    spec = JobSpec(model=str(tiny_model), optimizer=AdamW(lr=1.0, eps=1.0, grad_clip=None))
+    results, weights = [], []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(trainer_job, "length_groups", lambda lengths: [np.arange(len(lengths))])
+        engine = Engine()
+        engine.execute("j", Open(spec if kind == "lora" else msgspec.structs.replace(spec, lora=None)))
+        results.append(
+            run(
+                engine,
+                "j",
+                ForwardBackward(batch, loss="grpo", loss_config=LossConfig(kl_coef=0.1)),
+                ForwardBackwardResult,
+            )
+        )
+        engine.execute("j", OptimStep())
+        weights.append(saved_weights(engine, "j", tmp_path / str(grouped)))
+    assert results[0].num_tokens == results[1].num_tokens
+    assert results[0].loss == pytest.approx(results[1].loss, rel=1e-5)
+    assert results[0].metrics.keys() == results[1].metrics.keys()
+    for k in results[0].metrics:
+        assert results[0].metrics[k] == pytest.approx(results[1].metrics[k], rel=1e-5, abs=1e-6), k
     assert_same_weights(weights[0], weights[1], atol=1e-6)
 
 

@@ -134,7 +134,12 @@ class Engine:
             vllm.check_rank(spec.lora.rank)
         elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
             vllm = VllmSampler(spec.model, self.device.type, self.vllm_config, lora=False)
-        weights: Weights = FullWeights(base) if spec.lora is None else LoraWeights(base, spec.lora, spec.seed)
+        hf = vllm is None  # the hf sampler needs a copy of the weights to sample with; vLLM has its own
+        weights: Weights = (
+            FullWeights(base, sampler_copy=hf)
+            if spec.lora is None
+            else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
+        )
         job = Job(spec, base, weights, vllm=vllm, key=key)
         self._jobs[job_id] = job
         return job.opened()

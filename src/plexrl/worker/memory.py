@@ -93,7 +93,7 @@ def state_refs(job: Job) -> dict[str, _Ref]:
 
 def planned_state_bytes(job: Job) -> int:
     """What the job's state takes on the device once it has stepped: trainer weights, their
-    gradients and two AdamW moments, plus the sampler copy."""
+    gradients and two AdamW moments, plus the hf sampler's copy (none when vLLM samples)."""
     trainer = sum(p.numel() * p.element_size() for p in job.weights.trainer_params.values())
     sampler = sum(p.numel() * p.element_size() for p in job.weights.sampler_params.values())
     return 4 * trainer + sampler

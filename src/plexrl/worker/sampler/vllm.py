@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
+from plexrl.worker.sampler import cpu_lora
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
 
 log = logging.getLogger("plexrl.worker")
@@ -127,6 +128,9 @@ class VllmSampler:
             # process, the engine spins on a shared-memory queue while the runner computes, and
             # on one pinned core the two take turns erratically (decode steps varied by +-20%).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # Multi-LoRA layers grouped by adapter, 2-3x faster than vLLM's CPU ops (cpu_lora.py;
+            # PLEXRL_GROUPED_LORA=0 keeps vLLM's own).
+            os.environ.setdefault(cpu_lora.ENV, "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm.v1.engine.async_llm import AsyncLLM

@@ -1,7 +1,9 @@
-"""Full fine-tune weights of one job: a private trainable copy of the base and a sampler copy.
+"""Full fine-tune weights of one job: a private trainable copy of the base and (with the hf
+sampler) a sampler copy.
 
 The shared base stays frozen and untouched (it is the KL reference); ``sync_weights`` copies the
-trainer copy's parameters into the sampler copy.
+trainer copy's parameters into the sampler copy, or refits the job's own vLLM engine (then there
+is no sampler copy here).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from plexrl.worker.models import BaseModel
 class FullWeights:
     kind = "full"
 
-    def __init__(self, base: BaseModel) -> None:
+    def __init__(self, base: BaseModel, sampler_copy: bool = True) -> None:
         self.trainer: Any = base.copy().requires_grad_(True)
-        self.sampler: Any = base.copy().requires_grad_(False).eval()
+        self.sampler: Any = base.copy().requires_grad_(False).eval() if sampler_copy else None
         # named_parameters() lists tied weights (embeddings / lm_head) once, under one name.
         self.trainer_params: dict[str, nn.Parameter] = dict(self.trainer.named_parameters())
-        self.sampler_params: dict[str, nn.Parameter] = dict(self.sampler.named_parameters())
+        self.sampler_params: dict[str, nn.Parameter] = (
+            {} if self.sampler is None else dict(self.sampler.named_parameters())
+        )
         self.total_params = sum(p.numel() for p in self.trainer_params.values())
 
     def trainer_model(self, train: bool) -> nn.Module:
         return self.trainer.train(train)
 
     def sampler_model(self) -> nn.Module:
+        if self.sampler is None:
+            raise RuntimeError("this job samples on vLLM: it has no hf sampler copy")
         return self.sampler.eval()
 
     def adapter_config(self) -> Any:

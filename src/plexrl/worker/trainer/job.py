@@ -45,7 +45,7 @@ from plexrl.worker.memory import planned_state_bytes
 from plexrl.worker.models import BaseModel
 from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
-from plexrl.worker.trainer.losses import check_loss_config, compute_loss, token_logprobs
+from plexrl.worker.trainer.losses import LossOutput, check_loss_config, compute_loss, token_logprobs
 
 if TYPE_CHECKING:
     from plexrl.worker.sampler.vllm import VllmSampler
@@ -56,7 +56,7 @@ class Weights(Protocol):
 
     kind: str
     trainer_params: dict[str, nn.Parameter]
-    sampler_params: dict[str, nn.Parameter]  # same names and shapes as trainer_params
+    sampler_params: dict[str, nn.Parameter]  # same names and shapes as trainer_params; empty if vLLM samples
     total_params: int
 
     def trainer_model(self, train: bool) -> nn.Module: ...
@@ -187,7 +187,7 @@ class Job:
         if batch.loss_mask is not None:  # observation tokens are context, not actions
             mask_B_T1 = torch.zeros_like(completion_B_T1)
             mask_B_T1[completion_B_T1] = torch.from_numpy(batch.loss_mask.values.astype(np.bool_)).to(device)
-        sampler_logp_B_T1 = advantages_B = ref_logp_B_T1 = None
+        sampler_logp_B_T1 = advantages_B = None
         if batch.sampler_logprobs is not None:
             sampler_logp_B_T1 = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device)
             sampler_logp_B_T1[completion_B_T1] = torch.from_numpy(batch.sampler_logprobs.values.astype(np.float32)).to(
@@ -195,12 +195,23 @@ class Job:
             )
         if batch.advantages_B is not None:
             advantages_B = torch.from_numpy(batch.advantages_B.astype(np.float32)).to(device)
+        # Rows of similar length together, each group padded to its own longest row (a long-tailed
+        # batch padded to its longest row computes mostly padding); one backward over all groups.
+        lengths = batch.tokens.lengths()
+        groups = [(torch.from_numpy(rows).to(device), int(lengths[rows].max())) for rows in length_groups(lengths)]
+        ref_logps: list[Tensor | None] = [None] * len(groups)
         if loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0:
             with self.base.reference() as reference, torch.no_grad():
-                ref_logp_B_T1 = _forward_logp(reference, tokens_B_T, valid_B_T, config.temperature)
+                ref_logps = [_forward_logp(reference, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
+                             for r, n in groups]  # fmt: skip
         model = self.weights.trainer_model(train=True)
-        logp_B_T1 = _forward_logp(model, tokens_B_T, valid_B_T, config.temperature)
-        out = compute_loss(loss, logp_B_T1, mask_B_T1, config, sampler_logp_B_T1, advantages_B, ref_logp_B_T1)
+        outs = []
+        for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
+            logp = _forward_logp(model, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
+            sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
+            advantages = None if advantages_B is None else advantages_B[r]
+            outs.append(compute_loss(loss, logp, mask_B_T1[r, : n - 1], config, sampler_logp, advantages, ref_logp))
+        out = _combined(outs)
         if not torch.isfinite(out.loss_sum):
             raise CallFailedError(
                 f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
@@ -374,6 +385,29 @@ class Job:
         tokens_B_T[valid_B_T] = torch.from_numpy(rows.values.astype(np.int64))
         device = next(iter(self.weights.trainer_params.values())).device
         return tokens_B_T.to(device), valid_B_T.to(device)
+
+
+def length_groups(lengths: np.ndarray, waste: float = 0.25) -> list[np.ndarray]:
+    """Row indices in groups to pad together, longest rows first: a row joins the group of the
+    longer rows before it while padding it to their longest costs at most ``waste`` of that
+    length (so at least ``1 - waste`` of every padded row is real tokens)."""
+    groups: list[list[int]] = []
+    top = 0
+    for i in np.argsort(-lengths, kind="stable"):
+        if not groups or lengths[i] < (1 - waste) * top:
+            groups.append([])
+            top = int(lengths[i])
+        groups[-1].append(int(i))
+    return [np.array(g, dtype=np.int64) for g in groups]
+
+
+def _combined(outs: list[LossOutput]) -> LossOutput:
+    """One ``LossOutput`` of several row groups' (their sums added, their token means weighted)."""
+    if len(outs) == 1:
+        return outs[0]
+    num_tokens = sum(o.num_tokens for o in outs)
+    metrics = {k: sum(o.metrics[k] * o.num_tokens for o in outs) / max(num_tokens, 1) for k in outs[0].metrics}
+    return LossOutput(sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum), num_tokens, metrics)
 
 
 def _forward_logp(model: nn.Module, tokens_B_T: Tensor, valid_B_T: Tensor, temperature: float) -> Tensor:

@@ -1,10 +1,12 @@
-"""LoRA weights of one job: two adapters on the base model's shared peft ``PeftModel``.
+"""LoRA weights of one job: its adapters on the base model's shared peft ``PeftModel``.
 
 Every LoRA job on a base shares one ``PeftModel`` wrapping it (``BaseModel.adapters``). A job
-owns a trainer adapter, the one its optimizer updates, and a sampler adapter, what ``generate``
-runs and what ``sync_weights`` copies the trainer into. Only the active adapter takes part in
-a forward pass, so a backward pass can only put gradients on the active job's trainer adapter;
-other jobs' accumulated gradients sit untouched on their own parameters.
+owns a trainer adapter, the one its optimizer updates, and (with the hf sampler) a sampler
+adapter, what ``generate`` runs and what ``sync_weights`` copies the trainer into; with vLLM the
+engine holds the sampled adapter and peft holds none (each peft adapter makes adding the next
+one slower: peft walks every adapter's modules). Only the active adapter takes part in a forward
+pass, so a backward pass can only put gradients on the active job's trainer adapter; other
+jobs' accumulated gradients sit untouched on their own parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from plexrl.worker.models import BaseModel, seeded
 class LoraWeights:
     kind = "lora"
 
-    def __init__(self, base: BaseModel, lora: LoRA, seed: int) -> None:
+    def __init__(self, base: BaseModel, lora: LoRA, seed: int, sampler_copy: bool = True) -> None:
         _check_targets(base, lora)
         config = LoraConfig(
             r=lora.rank,
@@ -33,7 +35,8 @@ class LoraWeights:
             task_type="CAUSAL_LM",
         )
         self.base = base
-        self.trainer_name, self.sampler_name = _free_names(base.adapters)
+        self.trainer_name, sampler_name = _free_names(base.adapters)
+        self.sampler_name: str | None = sampler_name if sampler_copy else None
         device = next(iter(base.weights.values())).device
         # Seeded so a job's initial adapter depends on its spec only, not on the other jobs.
         with seeded(seed, device):
@@ -41,9 +44,12 @@ class LoraWeights:
                 base.adapters = get_peft_model(base.model, config, adapter_name=self.trainer_name)
             else:
                 base.adapters.add_adapter(self.trainer_name, config)
-            base.adapters.add_adapter(self.sampler_name, config)
+            if self.sampler_name is not None:
+                base.adapters.add_adapter(self.sampler_name, config)
         self.trainer_params: dict[str, nn.Parameter] = _adapter_params(self.host, self.trainer_name)
-        self.sampler_params: dict[str, nn.Parameter] = _adapter_params(self.host, self.sampler_name)
+        self.sampler_params: dict[str, nn.Parameter] = (
+            {} if self.sampler_name is None else _adapter_params(self.host, self.sampler_name)
+        )
         self.total_params = base.num_params + sum(p.numel() for p in self.trainer_params.values())
 
     @property
@@ -56,6 +62,8 @@ class LoraWeights:
         return self.host.train(train)
 
     def sampler_model(self) -> nn.Module:
+        if self.sampler_name is None:
+            raise RuntimeError("this job samples on vLLM: it has no hf sampler adapter")
         self.host.set_adapter(self.sampler_name, inference_mode=True)
         return self.host.eval()
 
@@ -64,16 +72,18 @@ class LoraWeights:
 
     def close(self) -> None:
         host = self.host
-        others = [a for a in host.peft_config if a not in (self.trainer_name, self.sampler_name)]
+        mine = [a for a in (self.trainer_name, self.sampler_name) if a is not None]
+        others = [a for a in host.peft_config if a not in mine]
         # peft warns when the active adapter is deleted, so another one is made active first.
         if others:
             host.set_adapter(others[0], inference_mode=True)
-            host.delete_adapter(self.sampler_name)
-            host.delete_adapter(self.trainer_name)
+            for name in mine:
+                host.delete_adapter(name)
         else:
             # Back to the plain base: with no adapter left, peft's disable_adapter() would fail.
             host.set_adapter(self.trainer_name)
-            host.delete_adapter(self.sampler_name)
+            if self.sampler_name is not None:
+                host.delete_adapter(self.sampler_name)
             host.unload()
             self.base.adapters = None
         self.trainer_params = {}

@@ -1,0 +1,81 @@
+"""plexrl's grouped multi-LoRA layers against vLLM's own CPU ops, on the same inputs.
+
+``GroupedPunicaWrapperCPU.add_lora_linear`` must add what ``PunicaWrapperCPU.add_lora_linear``
+adds, for decode and prefill steps, tokens spread over many adapters or piled on one, and a
+single token; a token without an adapter (slot -1) must get nothing. The end-to-end check is
+``test_vllm_sampler.py``: vLLM's tokens and logprobs against the hf sampler's, with these layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+from plexrl.worker.sampler import cpu_lora
+
+RANK, IN, SLOTS = 8, 128, 32
+SLICES = (128, 64, 64)  # a merged q/k/v projection
+
+
+def wrapper(cls: type, indices: torch.Tensor, prefill: bool) -> PunicaWrapperCPU:
+    w = cls(4096, 256, "cpu")
+    w._token_lora_indices[: len(indices)] = indices
+    w.indices_len[:] = [len(indices)] * 4
+    w.is_prefill = prefill
+    w._groups = None
+    if prefill:
+        w._update_prefill_metadata(w.token_lora_indices)
+    return w
+
+
+def slots(case: str, tokens: int, g: torch.Generator) -> torch.Tensor:
+    if case == "spread":
+        return torch.randint(0, SLOTS, (tokens,), generator=g)
+    if case == "few":
+        return torch.randint(0, 3, (tokens,), generator=g)
+    # "piled": most tokens on one adapter, one token on each of the others
+    piled = torch.cat([torch.zeros(tokens - SLOTS + 1, dtype=torch.long), torch.arange(1, SLOTS)])
+    return piled[torch.randperm(tokens, generator=g)]
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize(("case", "tokens"), [("spread", 256), ("few", 64), ("piled", 300), ("spread", 1)])
+def test_grouped_layers_add_what_vllm_adds(case: str, tokens: int, prefill: bool) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN, generator=g) for _ in SLICES)
+    lora_b = tuple(torch.randn(SLOTS, 1, out, RANK, generator=g) for out in SLICES)
+    x = torch.randn(tokens, IN, generator=g)
+    indices = slots(case, tokens, g)
+    if prefill:  # a prefill step's tokens come sequence by sequence
+        indices = torch.sort(indices).values
+    expected, got = (torch.randn(tokens, sum(SLICES), generator=g),) * 2
+    expected, got = expected.clone(), got.clone()
+    wrapper(PunicaWrapperCPU, indices, prefill).add_lora_linear(expected, x, lora_a, lora_b, 0.5, SLICES)
+    wrapper(cpu_lora.GroupedPunicaWrapperCPU, indices, prefill).add_lora_linear(got, x, lora_a, lora_b, 0.5, SLICES)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_tokens_without_an_adapter_get_nothing() -> None:
+    lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN) for _ in SLICES)
+    lora_b = tuple(torch.randn(SLOTS, 1, out, RANK) for out in SLICES)
+    y = torch.zeros(4, sum(SLICES))
+    w = wrapper(cpu_lora.GroupedPunicaWrapperCPU, torch.tensor([0, -1, 5, -1]), prefill=False)
+    w.add_lora_linear(y, torch.randn(4, IN), lora_a, lora_b, 1.0, SLICES)
+    assert torch.all(y[[1, 3]] == 0)
+    assert torch.all(y[[0, 2]] != 0)
+
+
+def test_the_plugin_acts_only_when_the_worker_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "get_punica_wrapper", CpuPlatform.get_punica_wrapper)  # restored after
+    monkeypatch.delenv(cpu_lora.ENV, raising=False)
+    cpu_lora.register()
+    assert CpuPlatform.get_punica_wrapper().endswith(".PunicaWrapperCPU")
+    assert os.environ.get(cpu_lora.ENV) is None
+    monkeypatch.setenv(cpu_lora.ENV, "1")
+    cpu_lora.register()
+    assert CpuPlatform.get_punica_wrapper() == "plexrl.worker.sampler.cpu_lora.GroupedPunicaWrapperCPU"
