@@ -15,6 +15,7 @@ from plexrl.client.connection import Client, connect
 from plexrl.client.job import Job, Optimized, forward_backward, generate, job, optim_step, optimize, sync_weights
 from plexrl.client.local import LocalCluster, local
 from plexrl.client.trajectory import Trajectory, Turn, prefix_cache_hit_rate
+from plexrl.protocol.auth import Credentials
 from plexrl.protocol.calls import (
     ForwardBackwardResult,
     Generated,
@@ -33,6 +34,7 @@ __all__ = [
     "AdamW",
     "Batch",
     "Client",
+    "Credentials",
     "ForwardBackwardResult",
     "Generated",
     "Job",

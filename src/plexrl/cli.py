@@ -1,4 +1,4 @@
-"""The ``plexrl`` command: coordinator | worker | local | status | demo."""
+"""The ``plexrl`` command: coordinator | worker | local | status | keys."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
+from plexrl.errors import InvalidRequestError
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -47,12 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
     _policy(p)
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
+    p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
+    p.add_argument(
+        "--insecure", action="store_true", help="serve without authentication (refused unless --bind is loopback)"
+    )
     _common(p)
 
     p = sub.add_parser("worker", help="run a worker for one accelerator")
     p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
+    _credentials(p, "worker")
     _memory_budget(p, default=8 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
@@ -99,8 +106,34 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show a coordinator's workers and jobs")
     p.add_argument("--coordinator", required=True)
+    _credentials(p, "client")
+
+    p = sub.add_parser("keys", help="make a key directory and issue keys to workers and clients")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    k = keys.add_parser("init", help="a new key directory: the coordinator's key pair, empty allowlists")
+    k.add_argument("dir")
+    k = keys.add_parser("add", help="issue a key: its secret file to hand out, its public half on the allowlist")
+    k.add_argument("dir")
+    k.add_argument("name", help="who holds it, e.g. worker-gpu3 or alice")
+    k.add_argument("--role", choices=["worker", "client", "admin"], required=True)
 
     return parser
+
+
+def _credentials(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--key", default=None, help=f"your {role} key, a NAME.key_secret file ($PLEXRL_KEY)")
+    p.add_argument("--coordinator-key", default=None, help="the coordinator's public key, DIR/coordinator.key "
+                   "($PLEXRL_COORDINATOR_KEY)")  # fmt: skip
+
+
+def _load_credentials(args: argparse.Namespace) -> Any:
+    from plexrl.protocol import auth
+
+    if args.key or args.coordinator_key:
+        if not (args.key and args.coordinator_key):
+            raise InvalidRequestError("pass both --key (your NAME.key_secret) and --coordinator-key (coordinator.key)")
+        return auth.Credentials.load(args.key, args.coordinator_key)
+    return auth.Credentials.from_env()
 
 
 def _policy(p: argparse.ArgumentParser) -> None:
@@ -129,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    try:
+        return _run(args)
+    except InvalidRequestError as e:  # a setting to change: say which, without a traceback
+        print(f"plexrl {args.command}: {e.message}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "keys":
+        return _keys(args)
     if args.command == "coordinator":
         return _coordinator(args)
     if args.command == "worker":
@@ -144,7 +187,15 @@ def _coordinator(args: argparse.Namespace) -> int:
     from plexrl.coordinator.server import CoordinatorConfig, run_coordinator
 
     _die_with_parent(args.parent_pid)
+    if args.keys is None and not args.insecure:
+        raise InvalidRequestError(
+            "pass --keys DIR to authenticate workers and clients (make DIR with `plexrl keys init DIR`), "
+            "or --insecure to serve a loopback address without authentication"
+        )
+    if args.keys is not None and args.insecure:
+        raise InvalidRequestError("--keys and --insecure exclude each other")
     config = CoordinatorConfig(
+        keys=args.keys,
         bind=args.bind,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_liveness=args.heartbeat_liveness,
@@ -189,6 +240,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs,
+        credentials=_load_credentials(args),
     )
     run_worker(config)
     return 0
@@ -205,8 +257,10 @@ async def _local(args: argparse.Namespace) -> int:
         memory_budget_bytes=args.memory_budget,
     )
     async with cluster as cluster_client:
+        creds = cluster.keys
         print(
-            f"plexrl embedded cluster with {args.workers} worker(s) at {cluster_client.address}; Ctrl-C to stop",
+            f"plexrl embedded cluster with {args.workers} worker(s) at {cluster_client.address}; Ctrl-C to stop\n"
+            f"other clients: PLEXRL_KEY={creds}/secret/local.key_secret PLEXRL_COORDINATOR_KEY={creds}/coordinator.key",
             flush=True,
         )
         stop = asyncio.Event()
@@ -220,7 +274,7 @@ async def _local(args: argparse.Namespace) -> int:
 async def _status(args: argparse.Namespace) -> int:
     from plexrl.client.connection import Client
 
-    async with Client(args.coordinator, connect_timeout_s=10.0) as client:
+    async with Client(args.coordinator, connect_timeout_s=10.0, credentials=_load_credentials(args)) as client:
         st = await client.status()
     print(f"coordinator {args.coordinator}  up {st.uptime_s:.0f} s")
     up = max(st.uptime_s, 1e-9)
@@ -243,6 +297,21 @@ async def _status(args: argparse.Namespace) -> int:
             f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f} "
             f"{j.sampler_worker_id or j.worker_id:>8}"
         )
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from plexrl.protocol import auth
+
+    if args.keys_command == "init":
+        auth.init_dir(args.dir)
+        print(f"key directory {args.dir}: give peers {args.dir}/coordinator.key; issue keys with "
+              f"`plexrl keys add {args.dir} NAME --role worker|client|admin`")  # fmt: skip
+        return 0
+    secret = auth.add_key(args.dir, args.name, args.role)
+    print(
+        f"{args.role} key {args.name}: hand {secret} (secret, mode 0600) and {args.dir}/coordinator.key to its holder"
+    )
     return 0
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "ModelNotFoundError",
     "NoJobContextError",
     "NoWorkersError",
+    "NotAuthorizedError",
     "NotJobOwnerError",
     "PlexError",
     "ProtocolVersionError",
@@ -103,6 +104,13 @@ class TrajectoryError(InvalidRequestError):
     ``n != 1``, or an observation on a trajectory that already stopped."""
 
     code = "trajectory"
+
+
+class NotAuthorizedError(PlexError, PermissionError):
+    """The connection's key may not do this (a client key registering a worker, a worker key
+    opening jobs): use a key of the right role (``plexrl keys add DIR NAME --role ...``)."""
+
+    code = "not_authorized"
 
 
 class NoJobContextError(PlexError, RuntimeError):

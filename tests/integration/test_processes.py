@@ -26,7 +26,10 @@ async def test_plexrl_local_serves_status_and_stops_on_ctrl_c() -> None:
         banner = (await local.stdout.readline()).decode()
         address = re.search(r"tcp://[0-9.]+:\d+", banner)
         assert address, banner
-        status = await _plexrl("status", "--coordinator", address.group())
+        keys = dict(re.findall(r"(PLEXRL_\w+)=(\S+)", (await local.stdout.readline()).decode()))
+        assert keys.keys() == {"PLEXRL_KEY", "PLEXRL_COORDINATOR_KEY"}
+        status = await _plexrl("status", "--coordinator", address.group(), "--key", keys["PLEXRL_KEY"],
+                               "--coordinator-key", keys["PLEXRL_COORDINATOR_KEY"])  # fmt: skip
         out, _ = await status.communicate()
         assert status.returncode == 0
         assert "local-0" in out.decode()
@@ -87,14 +90,14 @@ async def test_a_worker_registers_again_with_a_coordinator_restarted_after_a_cra
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     beat = ["--heartbeat-interval", "0.2", "--heartbeat-liveness", "50"]  # 10 s: liveness alone is too slow
-    first = await _plexrl("coordinator", "--bind", address, *beat, stdout=None)
+    first = await _plexrl("coordinator", "--bind", address, "--insecure", *beat, stdout=None)
     worker = await _plexrl("worker", "--coordinator", address, "--name", "survivor", stdout=None)
     try:
         async with asyncio.timeout(60), plexrl.connect(address) as client:
             assert [w.name for w in (await client.status(min_workers=1)).workers] == ["survivor"]
         first.kill()
         await first.wait()
-        second = await _plexrl("coordinator", "--bind", address, *beat, stdout=None)
+        second = await _plexrl("coordinator", "--bind", address, "--insecure", *beat, stdout=None)
         try:
             async with asyncio.timeout(8), plexrl.connect(address) as client:
                 status = await client.status(min_workers=1)

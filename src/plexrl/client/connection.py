@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from plexrl.errors import CoordinatorLostError, PlexError, from_wire
-from plexrl.protocol import calls
+from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
 from plexrl.protocol.liveness import Liveness
@@ -45,8 +45,12 @@ class Client:
         name: str = "",
         connect_timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: auth.Credentials | None = None,
     ) -> None:
         self.address = address
+        # A client key (CurveZMQ): given, else $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY, else none
+        # (a coordinator started with --insecure).
+        self.credentials = credentials if credentials is not None else auth.Credentials.from_env()
         self.name = name
         self.connect_timeout_s = connect_timeout_s
         self.client_id = ""
@@ -68,6 +72,8 @@ class Client:
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.credentials is not None:
+            self.credentials.apply(sock)
         sock.connect(self.address)
         self._pump = Pump(sock, self._on_frames)
         try:
@@ -77,7 +83,10 @@ class Client:
             await self._close(CoordinatorLostError("never connected"))
             raise CoordinatorLostError(
                 f"no coordinator answered at {self.address} within {self.connect_timeout_s} s: start one with "
-                f"`plexrl coordinator --bind {self.address}`, or use plexrl.local() for an embedded cluster"
+                f"`plexrl coordinator --bind {self.address} --keys DIR`, or use plexrl.local() for an embedded "
+                "cluster; a coordinator with keys also stays silent to a key it does not list "
+                f"({'no key given' if self.credentials is None else 'this client connected with a key'}: "
+                "credentials=, or $PLEXRL_KEY and $PLEXRL_COORDINATOR_KEY)"
             ) from None
         except BaseException:
             await self._close(CoordinatorLostError("never connected"))
@@ -249,6 +258,16 @@ def expect_result(t: type[T]) -> Callable[[Any], T]:
     return unwrap
 
 
-def connect(address: str, *, name: str = "", connect_timeout_s: float = 30.0) -> Client:
-    """Connect to a shared coordinator: ``async with plexrl.connect("tcp://head:7400"):``."""
-    return Client(address, name=name, connect_timeout_s=connect_timeout_s)
+def connect(
+    address: str,
+    *,
+    name: str = "",
+    connect_timeout_s: float = 30.0,
+    credentials: auth.Credentials | None = None,
+) -> Client:
+    """Connect to a shared coordinator: ``async with plexrl.connect("tcp://head:7400"):``.
+
+    ``credentials``: your client key, ``plexrl.Credentials.load("alice.key_secret", "coordinator.key")``;
+    by default ``$PLEXRL_KEY`` and ``$PLEXRL_COORDINATOR_KEY`` name those two files.
+    """
+    return Client(address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials)

@@ -3,6 +3,8 @@
 It is the shared deployment's code on one machine, not a separate path: the same
 ``plexrl coordinator`` and ``plexrl worker`` commands over loopback TCP. Children are torn down
 on exit, on error and on Ctrl-C, and die with this process if it is killed (PR_SET_PDEATHSIG).
+It is authenticated like a shared one: a key directory made for the run (a temporary folder of
+mode 0700, removed at the end) with one worker key and one admin key, this script's.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from plexrl.client.connection import Client
 from plexrl.errors import LocalClusterError
+from plexrl.protocol import auth
 
 log = logging.getLogger("plexrl.local")
 
@@ -67,6 +73,7 @@ class LocalCluster:
         self.coordinator: asyncio.subprocess.Process | None = None
         self.worker_processes: list[asyncio.subprocess.Process] = []
         self.client: Client | None = None
+        self.keys: Path | None = None  # this run's key directory, while the cluster runs
 
     def _command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "plexrl", *args, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
@@ -91,11 +98,22 @@ class LocalCluster:
     ) -> None:
         await self._stop()
 
+    def credentials(self) -> auth.Credentials:
+        """The admin key of this run, for another client of the running cluster (``plexrl.connect``)."""
+        if self.keys is None:
+            raise LocalClusterError("the embedded cluster is not running")
+        return auth.Credentials.load(self.keys / "secret" / "local.key_secret", self.keys / "coordinator.key")
+
     async def _start(self) -> None:
         extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
+        self.keys = Path(tempfile.mkdtemp(prefix="plexrl-keys-"))  # mode 0700
+        auth.init_dir(self.keys)
+        worker_key = auth.add_key(self.keys, "local-workers", "worker")
+        auth.add_key(self.keys, "local", "admin")
         self.coordinator = await asyncio.create_subprocess_exec(
             *self._command(
                 "coordinator",
+                "--keys", str(self.keys),
                 "--bind", "tcp://127.0.0.1:0",
                 "--print-address",
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
@@ -116,6 +134,8 @@ class LocalCluster:
                 "--coordinator", self.address,
                 "--device", self.device,
                 "--name", f"local-{i}",
+                "--key", str(worker_key),
+                "--coordinator-key", str(self.keys / "coordinator.key"),
                 *(["--cpus", ",".join(map(str, self.cores[i]))] if self.cores else
                   ["--threads", str(self.threads_per_worker)]),
                 *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
@@ -126,7 +146,7 @@ class LocalCluster:
                 *extra,
             )  # fmt: skip
             self.worker_processes.append(await asyncio.create_subprocess_exec(*cmd))
-        self.client = Client(self.address)
+        self.client = Client(self.address, credentials=self.credentials())
         await self.client.__aenter__()
         ready = asyncio.ensure_future(self.client.status(min_workers=self.workers))
         exits = [asyncio.ensure_future(p.wait()) for p in [self.coordinator, *self.worker_processes]]
@@ -155,6 +175,9 @@ class LocalCluster:
                 await p.wait()
         self.worker_processes = []
         self.coordinator = None
+        if self.keys is not None:
+            shutil.rmtree(self.keys, ignore_errors=True)
+            self.keys = None
 
 
 def _worker_cores(workers: int, per_worker: int) -> list[list[int]]:

@@ -25,12 +25,13 @@ from plexrl.errors import (
     CoordinatorLostError,
     InvalidRequestError,
     JobClosedError,
+    NotAuthorizedError,
     NotJobOwnerError,
     PlexError,
     UnknownJobError,
     WorkerLostError,
 )
-from plexrl.protocol import calls
+from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
 from plexrl.protocol.liveness import Liveness
@@ -41,6 +42,8 @@ log = logging.getLogger("plexrl.coordinator")
 TICK_S = 0.1  # how often jobs waiting for device room are re-checked
 PLACEMENTS = ("colocated", "disaggregated")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
+_CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest)
 
 
 @dataclass
@@ -89,6 +92,9 @@ class CoordinatorConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     policy: str = "fifo"
     clock: Callable[[], float] = field(default=time.monotonic)
+    # A key directory (``plexrl keys init``): CurveZMQ on the socket, peers checked against its
+    # allowlists. None: unauthenticated, which only a loopback ``bind`` may be.
+    keys: str | None = None
 
 
 class Coordinator:
@@ -115,6 +121,7 @@ class Coordinator:
         self._moves: dict[int, tuple[str, str]] = {}  # move id -> (worker, job) awaiting StateMoved
         self._stopping = asyncio.Event()
         self._pump: Pump | None = None
+        self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -128,6 +135,13 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        authenticator = None
+        if self.config.keys is None:
+            auth.check_insecure_bind(self.config.bind)
+        else:
+            assert self._allowlist is not None
+            authenticator = auth.start_authenticator(ctx, self._allowlist)
+            auth.serve_curve(sock, auth.load_pair(f"{self.config.keys}/{auth.COORDINATOR}.key_secret"))
         sock.bind(re.sub(r":0$", ":*", self.config.bind))
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = Pump(sock, self._on_frames)
@@ -144,6 +158,8 @@ class Coordinator:
         finally:
             self._fail_everything()
             self._pump.close()
+            if authenticator is not None:
+                authenticator.stop()
             ctx.term()
             log.info("coordinator stopped")
 
@@ -170,9 +186,28 @@ class Coordinator:
             self._reply_error(ident, rid_of(e), e)
             return
         try:
+            self._authorize(frames[-1], msg)
             self._on_message(ident, msg)
         except PlexError as e:
             self._reply_error(ident, msg.rid, e)
+
+    def _authorize(self, frame: zmq.Frame, msg: m.ToCoordinator) -> None:
+        """With keys: the message must suit the role of the key its connection authenticated with."""
+        if self._allowlist is None:
+            return
+        user = frame.get("User-Id")  # the key ZAP admitted the connection with (z85)
+        role = self._allowlist.role(user if isinstance(user, str) else None)
+        if isinstance(msg, _WORKER_MESSAGES) or (isinstance(msg, m.Heartbeat) and msg.worker):
+            if role != "worker":
+                raise NotAuthorizedError(
+                    f"{type(msg).__name__} needs a worker key, and this connection's key is a {role} key: "
+                    "start workers with a key from `plexrl keys add DIR NAME --role worker`"
+                )
+        elif isinstance(msg, _CLIENT_MESSAGES) and role not in ("client", "admin"):
+            raise NotAuthorizedError(
+                f"{type(msg).__name__} needs a client key, and this connection's key is a {role} key: "
+                "connect with a key from `plexrl keys add DIR NAME --role client`"
+            )
 
     async def _liveness_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import zmq
 
 from plexrl.errors import CallAbortedError, CallFailedError, PlexError
-from plexrl.protocol import calls
+from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
 from plexrl.protocol.liveness import Liveness
@@ -78,6 +78,7 @@ class WorkerConfig:
     max_lora_rank: int = 8  # vLLM only: the largest LoRA rank its jobs may use
     max_loras: int = 32  # vLLM only: adapters one batch may mix
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
+    credentials: auth.Credentials | None = None  # a worker key (CurveZMQ); None: an unauthenticated coordinator
 
 
 class _CoordinatorLost(Exception):
@@ -142,11 +143,13 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        if self.config.credentials is not None:
+            self.config.credentials.apply(sock)
         sock.connect(self.config.coordinator)
         try:
             reg = self._register(sock)
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
-            beat = _Heartbeat(ctx, self.config.coordinator, ident, reg)
+            beat = _Heartbeat(ctx, self.config, ident, reg)
             beat.start()
             try:
                 self._serve_calls(sock, engine, beat)
@@ -280,9 +283,15 @@ def _outcome(fut: Future[calls.Result]) -> calls.Result:
 class _Heartbeat(threading.Thread):
     """Heartbeats on a socket of its own; sets ``lost`` (a reason) once the coordinator is gone."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, call_ident: bytes, reg: m.Registered) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        config: WorkerConfig,
+        call_ident: bytes,
+        reg: m.Registered,
+    ) -> None:
         super().__init__(name="plexrl-heartbeat", daemon=True)
-        self._ctx, self._address, self._call_ident, self._reg = ctx, address, call_ident, reg
+        self._ctx, self._config, self._call_ident, self._reg = ctx, config, call_ident, reg
         self._codec: Codec[m.CoordinatorToWorker] = Codec(m.CoordinatorToWorker)
         self._stopping = threading.Event()
         self.lost = ""
@@ -294,7 +303,9 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._address)
+        if self._config.credentials is not None:
+            self._config.credentials.apply(sock)
+        sock.connect(self._config.coordinator)
         interval, live = self._reg.heartbeat_interval_s, Liveness(self._reg.heartbeat_liveness)
         try:
             while not self._stopping.is_set():

@@ -8,6 +8,10 @@ Gradient accumulation: each ``forward_backward`` backpropagates the *sum* of its
 and adds its token count to ``pending_tokens``; ``optim_step`` divides the gradients by
 ``pending_tokens`` before clipping and stepping. So a step follows the token-level mean over all
 tokens accumulated since the last step, and two half-batch calls step exactly like one call.
+
+Padding: a ``forward_backward`` pads rows of similar length together (``length_groups``: at most
+a quarter of a padded row is padding) and backpropagates all groups at once, so an RL batch's
+long tail does not make every short row compute at the longest row's length.
 """
 
 from __future__ import annotations
