@@ -257,10 +257,10 @@ async def _local(args: argparse.Namespace) -> int:
         memory_budget_bytes=args.memory_budget,
     )
     async with cluster as cluster_client:
-        creds = cluster.keys
+        env = " ".join(f"{k}={v}" for k, v in cluster.client_env().items())
         print(
             f"plexrl embedded cluster with {args.workers} worker(s) at {cluster_client.address}; Ctrl-C to stop\n"
-            f"other clients: PLEXRL_KEY={creds}/secret/local.key_secret PLEXRL_COORDINATOR_KEY={creds}/coordinator.key",
+            f"other clients: {env}",
             flush=True,
         )
         stop = asyncio.Event()
@@ -293,7 +293,7 @@ async def _status(args: argparse.Namespace) -> int:
     )
     for j in st.jobs:
         print(
-            f"{j.job_id[:24]:24} {j.worker_id:8} {j.state:8} {j.tier:9} {j.queued:>6} {j.calls_done:>7} "
+            f"{(j.job_id or '(another tenant)')[:24]:24} {j.worker_id:8} {j.state:8} {j.tier:9} {j.queued:>6} {j.calls_done:>7} "
             f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f} "
             f"{j.sampler_worker_id or j.worker_id:>8}"
         )

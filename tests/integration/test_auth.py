@@ -19,8 +19,8 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 import plexrl
-from plexrl.errors import NotAuthorizedError
-from plexrl.protocol import auth
+from plexrl.errors import NotAuthorizedError, NotJobOwnerError
+from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
 
@@ -38,7 +38,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
     keys = tmp_path / "keys"
     cli = await _plexrl("keys", "init", str(keys))
     assert await cli.wait() == 0
-    for name, role in (("w0", "worker"), ("alice", "client")):
+    for name, role in (("w0", "worker"), ("alice", "client"), ("bob", "client"), ("root", "admin")):
         cli = await _plexrl("keys", "add", str(keys), name, "--role", role)
         assert await cli.wait() == 0
     coordinator = await _plexrl("coordinator", "--bind", "tcp://127.0.0.1:0", "--print-address", "--keys", str(keys))
@@ -152,6 +152,41 @@ async def test_workers_and_clients_with_keys_run_a_job(secured: tuple[str, Path]
             async with plexrl.job("keyed-job", model=tiny_model) as job:
                 out = await job.generate([[1, 5, 6]], plexrl.SamplingParams(max_tokens=4, temperature=0.0))
                 assert len(out.samples) == 1
+    finally:
+        worker.terminate()
+        await worker.wait()
+
+
+async def test_a_tenant_sees_and_uses_only_its_own_jobs(secured: tuple[str, Path], tiny_model: Path) -> None:
+    # Jobs belong to keys, not connections: a second connection of alice's key may call her job;
+    # bob's key may not, and sees it in status without its name; the admin key sees everything.
+    address, keys = secured
+    worker = await _plexrl(
+        "worker", "--coordinator", address, "--name", "shared", "--sampler", "hf",
+        "--key", str(keys / "secret" / "w0.key_secret"), "--coordinator-key", str(keys / "coordinator.key"),
+    )  # fmt: skip
+
+    def creds(name: str) -> auth.Credentials:
+        return auth.Credentials.load(keys / "secret" / f"{name}.key_secret", keys / "coordinator.key")
+
+    try:
+        async with asyncio.timeout(120), plexrl.connect(address, credentials=creds("alice")) as alice:
+            await alice.status(min_workers=1)
+            async with plexrl.job("alices-job", model=tiny_model) as job:
+                async with plexrl.connect(address, credentials=creds("alice")) as again:
+                    synced = await again.submit(job.job_id, calls.SyncWeights(), calls.Synced)
+                    assert synced.weight_version == 1
+                async with plexrl.connect(address, credentials=creds("bob")) as bob:
+                    with pytest.raises(NotJobOwnerError, match="another tenant"):
+                        await bob.submit(job.job_id, calls.SyncWeights(), calls.Synced)
+                    theirs = (await bob.status()).jobs
+                    assert [(j.job_id, j.name, j.owner, j.state) for j in theirs] == [("", "", "", "open")]
+                    assert (await bob.status()).workers[0].jobs == [""]
+                async with plexrl.connect(address, credentials=creds("root")) as root:
+                    seen = (await root.status()).jobs
+                    assert [(j.job_id, j.name, j.owner) for j in seen] == [(job.job_id, "alices-job", "alice")]
+                mine = (await alice.status()).jobs
+                assert [(j.job_id, j.owner) for j in mine] == [(job.job_id, "alice")]
     finally:
         worker.terminate()
         await worker.wait()

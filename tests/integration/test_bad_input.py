@@ -4,6 +4,7 @@ keeps serving everyone else. A raw DEALER socket plays the misbehaving client.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from plexrl.errors import (
     ModelNotFoundError,
     UnknownJobError,
 )
-from plexrl.protocol import calls
+from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
 from plexrl.types import Batch, Ragged, SamplingParams
@@ -33,16 +34,30 @@ LIMIT = 1 << 20  # the cluster's message size limit for this module
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster(tiny_model: Path) -> AsyncIterator[Client]:
-    async with plexrl.local(workers=1, heartbeat_interval_s=0.5, max_message_bytes=LIMIT) as client:
-        yield client
+async def embedded(tiny_model: Path) -> AsyncIterator[plexrl.LocalCluster]:
+    local = plexrl.local(workers=1, heartbeat_interval_s=0.5, max_message_bytes=LIMIT)
+    async with local:
+        yield local
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(embedded: plexrl.LocalCluster) -> Client:
+    assert embedded.client is not None
+    return embedded.client
+
+
+RAW_KEYS = itertools.count()
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def raw(cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
+async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
+    """A tenant of its own: a client key issued to the running cluster just now."""
+    assert embedded.keys is not None
+    key = auth.add_key(embedded.keys, f"raw-{next(RAW_KEYS)}", "client")
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.Credentials.load(key, embedded.keys / "coordinator.key").apply(sock)
     sock.connect(cluster.address)
     yield sock
     sock.close()

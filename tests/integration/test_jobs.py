@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,12 +24,21 @@ GREEDY = plexrl.SamplingParams(max_tokens=6, temperature=0.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster(tiny_model: Path) -> AsyncIterator[Client]:
-    async with plexrl.local(workers=1, heartbeat_interval_s=0.5) as client:
-        yield client
+async def embedded(tiny_model: Path) -> AsyncIterator[plexrl.LocalCluster]:
+    local = plexrl.local(workers=1, heartbeat_interval_s=0.5)
+    async with local:
+        yield local
 
 
-async def test_client_processes_pipelining_calls_see_them_executed_in_order(cluster: Client, tiny_model: Path) -> None:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(embedded: plexrl.LocalCluster) -> Client:
+    assert embedded.client is not None
+    return embedded.client
+
+
+async def test_client_processes_pipelining_calls_see_them_executed_in_order(
+    cluster: Client, embedded: plexrl.LocalCluster, tiny_model: Path
+) -> None:
     rounds = 6
     procs = [
         await asyncio.create_subprocess_exec(
@@ -39,6 +49,7 @@ async def test_client_processes_pipelining_calls_see_them_executed_in_order(clus
             f"order{i}",
             str(rounds),
             stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, **embedded.client_env()},
         )
         for i in range(3)
     ]
@@ -104,7 +115,9 @@ async def test_forward_backward_and_optim_step_may_be_submitted_before_either_is
         assert again.weight_version == 1
 
 
-async def test_status_reports_workers_and_open_jobs(cluster: Client, tiny_model: Path) -> None:
+async def test_status_reports_workers_and_open_jobs(
+    cluster: Client, embedded: plexrl.LocalCluster, tiny_model: Path
+) -> None:
     async with plexrl.job("visible", model=tiny_model) as job:
         status = await cluster.status()
         assert [w.name for w in status.workers] == ["local-0"]
@@ -115,8 +128,9 @@ async def test_status_reports_workers_and_open_jobs(cluster: Client, tiny_model:
         assert stats.tier == "device" and stats.state_bytes > 0 and stats.calls_done == 2  # open, generate
         assert 0 < stats.accelerator_s < stats.wall_s and stats.swaps == 0
         cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "plexrl", "status", "--coordinator", cluster.address, stdout=asyncio.subprocess.PIPE
-        )
+            sys.executable, "-m", "plexrl", "status", "--coordinator", cluster.address,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, **embedded.client_env()},
+        )  # fmt: skip
         out, _ = await asyncio.wait_for(cli.communicate(), timeout=60)
         assert cli.returncode == 0
         row = next(line for line in out.decode().splitlines() if line.startswith(job.job_id))

@@ -100,9 +100,17 @@ class LocalCluster:
 
     def credentials(self) -> auth.Credentials:
         """The admin key of this run, for another client of the running cluster (``plexrl.connect``)."""
+        env = self.client_env()
+        return auth.Credentials.load(env["PLEXRL_KEY"], env["PLEXRL_COORDINATOR_KEY"])
+
+    def client_env(self) -> dict[str, str]:
+        """The environment a client process needs to connect (``$PLEXRL_KEY``, ``$PLEXRL_COORDINATOR_KEY``)."""
         if self.keys is None:
             raise LocalClusterError("the embedded cluster is not running")
-        return auth.Credentials.load(self.keys / "secret" / "local.key_secret", self.keys / "coordinator.key")
+        return {
+            "PLEXRL_KEY": str(self.keys / "secret" / "local.key_secret"),
+            "PLEXRL_COORDINATOR_KEY": str(self.keys / "coordinator.key"),
+        }
 
     async def _start(self) -> None:
         extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []

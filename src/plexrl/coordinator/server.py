@@ -59,11 +59,19 @@ class _WorkerRecord:
 class _JobRecord:
     job_id: str
     name: str
-    owner: bytes
+    owner: str  # the tenant: its key (z85) with authentication, else the connection that opened it
     worker_id: str
     sampler_id: str = ""  # a disaggregated job's sampler worker ("" = colocated)
     state: str = "open"  # "open" -> "closing" -> removed; or "lost"
     calls_done: int = 0
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """A connection's tenant: its key with authentication (else the connection itself)."""
+
+    tenant: str
+    admin: bool = False  # sees every tenant's jobs in status
 
 
 @dataclass
@@ -122,6 +130,7 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self._pump: Pump | None = None
         self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
+        self._peers: dict[bytes, _Peer] = {}  # connection -> its tenant
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -186,17 +195,21 @@ class Coordinator:
             self._reply_error(ident, rid_of(e), e)
             return
         try:
-            self._authorize(frames[-1], msg)
+            self._identify(ident, frames[-1], msg)
             self._on_message(ident, msg)
         except PlexError as e:
             self._reply_error(ident, msg.rid, e)
 
-    def _authorize(self, frame: zmq.Frame, msg: m.ToCoordinator) -> None:
-        """With keys: the message must suit the role of the key its connection authenticated with."""
+    def _identify(self, ident: bytes, frame: zmq.Frame, msg: m.ToCoordinator) -> None:
+        """Who sent ``msg`` (its tenant, for jobs and status); with keys, the message must suit the
+        role of the key its connection authenticated with."""
         if self._allowlist is None:
+            self._peers[ident] = _Peer(ident.hex(), admin=True)  # a connection is a tenant; no secrets
             return
         user = frame.get("User-Id")  # the key ZAP admitted the connection with (z85)
         role = self._allowlist.role(user if isinstance(user, str) else None)
+        if isinstance(user, str) and role is not None:
+            self._peers[ident] = _Peer(user, admin=role == "admin")
         if isinstance(msg, _WORKER_MESSAGES) or (isinstance(msg, m.Heartbeat) and msg.worker):
             if role != "worker":
                 raise NotAuthorizedError(
@@ -260,7 +273,7 @@ class Coordinator:
                 self._cancel(ident, call_rid)
             case m.StatusRequest(rid=rid, min_workers=n):
                 if len(self._workers) >= n:
-                    self._send(ident, self._status(rid))
+                    self._send(ident, self._status(rid, self._peers[ident]))
                 else:
                     self._waiters.append(_Waiter(ident, rid, n))
             case m.StateMoved():
@@ -292,7 +305,7 @@ class Coordinator:
         self._apply(joined)
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
             self._waiters.remove(w)
-            self._send(w.client, self._status(w.rid))
+            self._send(w.client, self._status(w.rid, self._peers[w.client]))
 
     def _open_job(self, ident: bytes, msg: m.OpenJob) -> None:
         if not _JOB_NAME.match(msg.name):
@@ -311,7 +324,9 @@ class Coordinator:
         opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
-                self._jobs[job_id] = _JobRecord(job_id, msg.name, ident, action.worker_id, action.sampler_id)
+                self._jobs[job_id] = _JobRecord(
+                    job_id, msg.name, self._peers[ident].tenant, action.worker_id, action.sampler_id
+                )
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
                 self._carry_out(sch.Fail(job_id, call_id, action.error))
@@ -322,8 +337,8 @@ class Coordinator:
         job = self._jobs.get(msg.job_id)
         if job is None:
             raise UnknownJobError(f"no job {msg.job_id!r} on this coordinator: open one with plexrl.job(...) first")
-        if job.owner != ident:
-            raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another client; a client may only use its own jobs")
+        if job.owner != self._peers[ident].tenant:
+            raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another tenant; a client may only use its own jobs")
         if job.state == "closing":
             raise JobClosedError(f"job {msg.job_id!r} is closed: open a new job to keep going")
         if isinstance(msg.call, calls.Open | calls.SetWeights):
@@ -506,8 +521,14 @@ class Coordinator:
     def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
 
-    def _status(self, rid: int) -> m.StatusReply:
+    def _status(self, rid: int, asker: _Peer) -> m.StatusReply:
+        """Workers, and jobs: the asker's own in full; other tenants' without names or details
+        (where they run and their state only), unless the asker is an admin."""
         now = self._now()
+
+        def visible(j: _JobRecord) -> bool:
+            return asker.admin or j.owner == asker.tenant
+
         workers = [
             m.WorkerInfo(
                 worker_id=w.worker_id,
@@ -515,7 +536,7 @@ class Coordinator:
                 device=w.info.device,
                 engines=w.info.engines,
                 memory_budget_bytes=w.info.memory_budget_bytes,
-                jobs=sorted(j.job_id for j in self._jobs.values() if j.worker_id == w.worker_id),
+                jobs=sorted(j.job_id if visible(j) else "" for j in self._jobs.values() if j.worker_id == w.worker_id),
                 calls_done=w.calls_done,
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
                 pid=w.info.pid,
@@ -523,7 +544,7 @@ class Coordinator:
             )
             for w in self._workers.values()
         ]
-        jobs = [self._job_info(j, now) for j in self._jobs.values()]
+        jobs = [self._job_info(j, now) if visible(j) else _redacted(j) for j in self._jobs.values()]
         return m.StatusReply(rid=rid, workers=workers, jobs=jobs, uptime_s=now - self._started)
 
     def _job_info(self, j: _JobRecord, now: float) -> m.JobInfo:
@@ -533,7 +554,7 @@ class Coordinator:
         return m.JobInfo(
             job_id=j.job_id,
             name=j.name,
-            owner=j.owner.hex(),
+            owner=self._owner_name(j.owner),
             worker_id=j.worker_id,
             queued=self._scheduler.queued(j.job_id),
             running=self._scheduler.is_running(j.job_id),
@@ -548,6 +569,15 @@ class Coordinator:
             swap_bytes=usage.swap_bytes if usage else 0,
             swap_s=usage.swap_s if usage else 0.0,
         )
+
+    def _owner_name(self, tenant: str) -> str:
+        return tenant if self._allowlist is None else self._allowlist.name(tenant)
+
+
+def _redacted(j: _JobRecord) -> m.JobInfo:
+    """Another tenant's job as ``plexrl status`` shows it: where it runs and its state, nothing else."""
+    return m.JobInfo(job_id="", name="", owner="", worker_id=j.worker_id, queued=0, running=False, calls_done=0,
+                     state=j.state)  # fmt: skip
 
 
 def _validate(call: calls.Call) -> None:

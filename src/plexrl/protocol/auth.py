@@ -13,6 +13,8 @@ holds the coordinator's key pair and one allowlist per role, each a folder of pu
 The ZAP handler (pyzmq's authenticator on a thread) admits a connection whose key is on any
 allowlist and sets the connection's ``User-Id`` to the key (z85); the coordinator reads it on every
 message and checks the role: a client key cannot register a worker, a worker key cannot open a job.
+A key added with ``plexrl keys add`` counts from the next connection (an unknown key makes the
+handler read the allowlists again if a folder changed since); a removed one until a restart.
 """
 
 from __future__ import annotations
@@ -105,20 +107,33 @@ class Allowlist:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.roles: dict[bytes, str] = {}
+        self.names: dict[bytes, str] = {}  # key -> its file's name: the tenant plexrl status shows
+        self._stamp: tuple[int, ...] = ()
         self.reload()
 
     def reload(self) -> None:
         roles: dict[bytes, str] = {}
+        names: dict[bytes, str] = {}
         for role in ROLES:  # admin last: an admin key listed as a client too is an admin
-            for public in zmq.auth.load_certificates(self.directory / FOLDERS[role]):
-                roles[public] = role
-        self.roles = roles
+            for path in sorted((self.directory / FOLDERS[role]).glob("*.key")):
+                public = zmq.auth.load_certificate(path)[0]
+                roles[public], names[public] = role, path.stem
+        self.roles, self.names = roles, names  # replaced whole: the coordinator's thread reads them
+        self._stamp = self._folders_stamp()
+
+    def _folders_stamp(self) -> tuple[int, ...]:
+        return tuple((self.directory / FOLDERS[role]).stat().st_mtime_ns for role in ROLES)
 
     def role(self, user_id: str | None) -> str | None:
         """The role of the connection whose ZAP ``User-Id`` is ``user_id``; None if it has none."""
         return None if user_id is None else self.roles.get(user_id.encode())
 
-    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq's credentials provider
+    def name(self, user_id: str) -> str:
+        return self.names.get(user_id.encode(), user_id)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq's credentials provider (its thread)
+        if key not in self.roles and self._folders_stamp() != self._stamp:
+            self.reload()  # a key issued since
         return key in self.roles
 
 
