@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
     _credentials(p, "worker")
+    p.add_argument(
+        "--checkpoint-root",
+        default=None,
+        help="where jobs' checkpoints go: save/load paths are relative to ROOT/<tenant> "
+        "(default $XDG_DATA_HOME/plexrl/checkpoints, i.e. ~/.local/share/plexrl/checkpoints)",
+    )
     _memory_budget(p, default=8 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
@@ -241,6 +247,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs,
         credentials=_load_credentials(args),
+        **({"checkpoint_root": args.checkpoint_root} if args.checkpoint_root else {}),
     )
     run_worker(config)
     return 0

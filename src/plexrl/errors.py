@@ -14,6 +14,7 @@ __all__ = [
     "BatchShapeError",
     "CallAbortedError",
     "CallFailedError",
+    "CheckpointPathError",
     "CoordinatorLostError",
     "InvalidSamplingParamsError",
     "JobClosedError",
@@ -104,6 +105,12 @@ class TrajectoryError(InvalidRequestError):
     ``n != 1``, or an observation on a trajectory that already stopped."""
 
     code = "trajectory"
+
+
+class CheckpointPathError(InvalidRequestError):
+    """A checkpoint path outside the job's tenant folder (absolute, or climbing out with '..')."""
+
+    code = "checkpoint_path"
 
 
 class NotAuthorizedError(PlexError, PermissionError):

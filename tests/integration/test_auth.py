@@ -19,7 +19,7 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 import plexrl
-from plexrl.errors import NotAuthorizedError, NotJobOwnerError
+from plexrl.errors import CallFailedError, CheckpointPathError, NotAuthorizedError, NotJobOwnerError
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
@@ -157,13 +157,17 @@ async def test_workers_and_clients_with_keys_run_a_job(secured: tuple[str, Path]
         await worker.wait()
 
 
-async def test_a_tenant_sees_and_uses_only_its_own_jobs(secured: tuple[str, Path], tiny_model: Path) -> None:
+async def test_a_tenant_sees_and_uses_only_its_own_jobs(
+    secured: tuple[str, Path], tiny_model: Path, tmp_path: Path
+) -> None:
     # Jobs belong to keys, not connections: a second connection of alice's key may call her job;
     # bob's key may not, and sees it in status without its name; the admin key sees everything.
+    # Checkpoints go to each tenant's folder: bob can neither load alice's nor reach it by path.
     address, keys = secured
     worker = await _plexrl(
         "worker", "--coordinator", address, "--name", "shared", "--sampler", "hf",
         "--key", str(keys / "secret" / "w0.key_secret"), "--coordinator-key", str(keys / "coordinator.key"),
+        "--checkpoint-root", str(tmp_path / "ckpt"),
     )  # fmt: skip
 
     def creds(name: str) -> auth.Credentials:
@@ -187,6 +191,19 @@ async def test_a_tenant_sees_and_uses_only_its_own_jobs(secured: tuple[str, Path
                     assert [(j.job_id, j.name, j.owner) for j in seen] == [(job.job_id, "alices-job", "alice")]
                 mine = (await alice.status()).jobs
                 assert [(j.job_id, j.owner) for j in mine] == [(job.job_id, "alice")]
+                saved = await job.save("step-1")
+                assert Path(saved.path) == (tmp_path / "ckpt" / "alice" / "step-1").resolve()
+                async with (
+                    plexrl.connect(address, credentials=creds("bob")),
+                    plexrl.job("bobs-job", model=tiny_model) as theirs_job,
+                ):
+                    with pytest.raises(CallFailedError):
+                        await theirs_job.load("step-1")  # bob's own folder has none
+                    with pytest.raises(CheckpointPathError):
+                        await theirs_job.load("../alice/step-1")
+                    with pytest.raises(CheckpointPathError):
+                        await theirs_job.load(saved.path)
+                assert (await job.load("step-1")).weight_version == 1
     finally:
         worker.terminate()
         await worker.wait()

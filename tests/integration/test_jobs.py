@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 import plexrl
 from plexrl.client.connection import Client
+from plexrl.errors import CheckpointPathError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -24,8 +25,8 @@ GREEDY = plexrl.SamplingParams(max_tokens=6, temperature=0.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def embedded(tiny_model: Path) -> AsyncIterator[plexrl.LocalCluster]:
-    local = plexrl.local(workers=1, heartbeat_interval_s=0.5)
+async def embedded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[plexrl.LocalCluster]:
+    local = plexrl.local(workers=1, heartbeat_interval_s=0.5, checkpoint_root=tmp_path_factory.mktemp("checkpoints"))
     async with local:
         yield local
 
@@ -61,7 +62,9 @@ async def test_client_processes_pipelining_calls_see_them_executed_in_order(
         assert [int(x) for x in stdout.decode().strip()[1:-1].split(",")] == expected
 
 
-async def test_training_one_lora_job_never_changes_another(cluster: Client, tiny_model: Path, tmp_path: Path) -> None:
+async def test_training_one_lora_job_never_changes_another(
+    cluster: Client, embedded: plexrl.LocalCluster, tiny_model: Path
+) -> None:
     async with (
         plexrl.job("trained", model=tiny_model, optimizer=plexrl.AdamW(lr=5e-2), seed=1) as a,
         plexrl.job("bystander", model=tiny_model, seed=2) as b,
@@ -69,7 +72,9 @@ async def test_training_one_lora_job_never_changes_another(cluster: Client, tiny
     ):
         b_before = await b.generate(PROMPTS, GREEDY)
         b_lp_before = await b.logprobs(PROMPTS)
-        await b.save(tmp_path / "b0")
+        saved = await b.save("isolation/b0")
+        assert embedded.checkpoint_root is not None
+        assert Path(saved.path) == (Path(embedded.checkpoint_root) / "local" / "isolation" / "b0").resolve()
         a_before = await a.logprobs(PROMPTS)
 
         target = plexrl.Batch(
@@ -81,14 +86,25 @@ async def test_training_one_lora_job_never_changes_another(cluster: Client, tiny
 
         b_after = await b.generate(PROMPTS, GREEDY)
         b_lp_after = await b.logprobs(PROMPTS)
-        await b.save(tmp_path / "b1")
+        await b.save("isolation/b1")
         a_after = await a.logprobs(PROMPTS)
 
     assert not np.allclose(a_before.logprobs.values, a_after.logprobs.values), "training must change the trained job"
     assert np.array_equal(b_before.tokens.values, b_after.tokens.values)
     assert np.array_equal(b_lp_before.logprobs.values, b_lp_after.logprobs.values)
-    w0, w1 = _weights(tmp_path / "b0"), _weights(tmp_path / "b1")
+    root = Path(embedded.checkpoint_root) / "local" / "isolation"
+    w0, w1 = _weights(root / "b0"), _weights(root / "b1")
     assert w0.keys() == w1.keys() and all(np.array_equal(w0[k], w1[k]) for k in w0)
+
+
+async def test_checkpoint_paths_stay_in_the_tenants_folder(cluster: Client, tiny_model: Path) -> None:
+    async with plexrl.job("confined", model=tiny_model) as job:
+        for path in ("/tmp/anywhere", "../escape", "a/../../escape"):
+            with pytest.raises(CheckpointPathError):
+                await job.save(path)
+            with pytest.raises(CheckpointPathError):
+                await job.load(path)
+        assert (await job.sync_weights()).weight_version == 1  # the job goes on
 
 
 def _weights(checkpoint: Path) -> dict[str, np.ndarray]:

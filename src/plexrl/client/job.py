@@ -131,11 +131,14 @@ class Job:
         return self._submit(calls.SyncWeights(), calls.Synced)
 
     def save(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Saved]:
-        """Checkpoint trainer weights and optimizer state atomically to ``path`` on the worker's host."""
-        return self._submit(calls.Save(path=os.path.abspath(path)), calls.Saved)
+        """Checkpoint trainer weights and optimizer state atomically to ``path``, relative to your
+        checkpoint folder on the worker's host (``--checkpoint-root``/<your key's name>; the
+        result's ``path`` says where). Absolute paths and '..' get ``CheckpointPathError``."""
+        return self._submit(calls.Save(path=os.fspath(path)), calls.Saved)
 
     def load(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Loaded]:
-        return self._submit(calls.Load(path=os.path.abspath(path)), calls.Loaded)
+        """Restore a checkpoint saved by one of your jobs (``path`` as given to ``save``)."""
+        return self._submit(calls.Load(path=os.fspath(path)), calls.Loaded)
 
     async def stats(self) -> JobInfo:
         """The coordinator's accounting for this job: accelerator-seconds, swaps, where its state is."""

@@ -48,6 +48,7 @@ class LocalCluster:
         max_num_seqs: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        checkpoint_root: str | os.PathLike[str] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -66,6 +67,8 @@ class LocalCluster:
         self.max_num_seqs = max_num_seqs  # vLLM workers: sequences decoded at once (None: vLLM's default)
         self.max_loras = max_loras  # vLLM workers: adapters one batch may mix (None: the worker's default)
         self.max_lora_rank = max_lora_rank  # vLLM workers: the largest adapter rank (None: the worker's default)
+        # Workers' checkpoint root; this script's jobs save under ROOT/local (None: the worker's default).
+        self.checkpoint_root = checkpoint_root
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -150,6 +153,7 @@ class LocalCluster:
                 *(["--max-loras", str(self.max_loras)] if self.max_loras else []),
                 *(["--max-lora-rank", str(self.max_lora_rank)] if self.max_lora_rank else []),
                 *(["--sampler", self.sampler] if self.sampler else []),
+                *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
                 *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
                 *extra,
             )  # fmt: skip

@@ -318,7 +318,9 @@ class Coordinator:
             raise InvalidRequestError(f"placement {msg.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         job_id = f"{msg.name}-{next(self._job_ids)}"
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec))
+        self._calls[call_id] = _CallRecord(
+            call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec, tenant=self._tenant_folder(ident))
+        )
         # Its state's size is known once the worker opened it (JobSized).
         disaggregated = msg.placement == "disaggregated"
         opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
@@ -416,8 +418,8 @@ class Coordinator:
             return False
         follow: calls.Call
         match rec.call, done.result:
-            case calls.Open(spec=spec), calls.Opened():
-                follow, held = calls.Open(spec=spec, replica=True), done
+            case calls.Open(spec=spec, tenant=tenant), calls.Opened():
+                follow, held = calls.Open(spec=spec, replica=True, tenant=tenant), done
             case calls.SyncWeights(), calls.Synced(weight_version=version, tensors=tensors) if tensors is not None:
                 follow = calls.SetWeights(weight_version=version, tensors=tensors)
                 held = m.CallDone(rid=done.rid, job_id=done.job_id, result=calls.Synced(weight_version=version))
@@ -569,6 +571,11 @@ class Coordinator:
             swap_bytes=usage.swap_bytes if usage else 0,
             swap_s=usage.swap_s if usage else 0.0,
         )
+
+    def _tenant_folder(self, ident: bytes) -> str:
+        """The worker-side checkpoint folder of the tenant behind ``ident``: its key's name (every
+        job of an unauthenticated coordinator shares one, ``shared``)."""
+        return "" if self._allowlist is None else self._allowlist.name(self._peers[ident].tenant)
 
     def _owner_name(self, tenant: str) -> str:
         return tenant if self._allowlist is None else self._allowlist.name(tenant)

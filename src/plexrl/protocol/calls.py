@@ -33,6 +33,7 @@ class Open(msgspec.Struct, tag="open", frozen=True):
 
     spec: JobSpec
     replica: bool = False
+    tenant: str = ""  # whose job: names its checkpoint folder on the worker (set by the coordinator)
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):

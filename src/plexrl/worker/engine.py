@@ -9,7 +9,9 @@ anything else propagates as-is and the server reports it as a failed call.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -34,15 +36,23 @@ from plexrl.worker import memory
 from plexrl.worker.memory import Moved
 from plexrl.worker.models import ModelCache
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
+from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Job, Weights, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
 
 log = logging.getLogger("plexrl.worker")
+SHARED = "shared"  # the checkpoint folder of jobs without a tenant (an unauthenticated coordinator)
 
 
 class Engine:
-    def __init__(self, device: str = "cpu", sampler: str = "hf", vllm_config: VllmConfig | None = None) -> None:
+    def __init__(
+        self,
+        device: str = "cpu",
+        sampler: str = "hf",
+        vllm_config: VllmConfig | None = None,
+        checkpoint_root: str | os.PathLike[str] | None = None,
+    ) -> None:
         if sampler not in ("hf", "vllm"):
             raise ValueError(f"sampler={sampler!r}: choose 'vllm' or 'hf'")
         self.device = torch.device(device)
@@ -52,6 +62,9 @@ class Engine:
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, Job] = {}
         self._mover = memory.Mover(self.device)
+        # Save / load paths: relative to root/<tenant> (a worker's); None: taken as given (in-process use).
+        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        self._tenants: dict[str, str] = {}
 
     def job_ids(self) -> list[str]:
         return list(self._jobs)
@@ -83,7 +96,9 @@ class Engine:
 
     def execute(self, job_id: str, call: Call) -> Result:
         if isinstance(call, Open):
-            return self._open(job_id, call.spec)
+            opened = self._open(job_id, call.spec)
+            self._tenants[job_id] = call.tenant or SHARED
+            return opened
         job = self._job(job_id)
         if not isinstance(call, Close):  # closing frees the state wherever it is
             self._resident(job, job_id, call)
@@ -101,13 +116,19 @@ class Engine:
             case SetWeights(weight_version=version, tensors=tensors):
                 return job.set_weights(version, tensors)
             case Save(path=path):
-                return job.save(path)
+                return job.save(self._checkpoint_path(job_id, path))
             case Load(path=path, export=export):
-                return job.load(path, export)
+                return job.load(self._checkpoint_path(job_id, path), export)
             case Close():
                 del self._jobs[job_id]
+                self._tenants.pop(job_id, None)
                 return job.close()
         raise InvalidRequestError(f"the engine cannot execute {type(call).__name__} calls")
+
+    def _checkpoint_path(self, job_id: str, path: str) -> str:
+        if self.checkpoint_root is None:
+            return path
+        return checkpoint.confined(self.checkpoint_root, self._tenants.get(job_id, SHARED), path)
 
     def _resident(self, job: Job, job_id: str, call: Call) -> None:
         """The scheduler moves state in before a call; this is the safety net if it did not."""

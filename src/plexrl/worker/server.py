@@ -66,6 +66,11 @@ def default_sampler() -> str:
     return os.environ.get("PLEXRL_SAMPLER") or ("vllm" if vllm.available() else "hf")
 
 
+DEFAULT_CHECKPOINT_ROOT = os.path.join(
+    os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "plexrl", "checkpoints"
+)
+
+
 @dataclass
 class WorkerConfig:
     coordinator: str
@@ -79,6 +84,7 @@ class WorkerConfig:
     max_loras: int = 32  # vLLM only: adapters one batch may mix
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
     credentials: auth.Credentials | None = None  # a worker key (CurveZMQ); None: an unauthenticated coordinator
+    checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
 
 
 class _CoordinatorLost(Exception):
@@ -118,7 +124,12 @@ class Worker:
             max_lora_rank=self.config.max_lora_rank,
             max_num_seqs=self.config.max_num_seqs,
         )
-        return Engine(device=self.config.device, sampler=self.config.sampler, vllm_config=vllm)
+        return Engine(
+            device=self.config.device,
+            sampler=self.config.sampler,
+            vllm_config=vllm,
+            checkpoint_root=self.config.checkpoint_root,
+        )
 
     def serve(self) -> None:
         """Register, serve, and register again whenever the coordinator is lost, until stopped."""

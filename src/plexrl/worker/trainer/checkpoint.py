@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -20,9 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from plexrl.errors import CallFailedError, InvalidRequestError
+from plexrl.errors import CallFailedError, CheckpointPathError, InvalidRequestError
 
 FORMAT = 1
+TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -32,6 +34,25 @@ class Checkpoint(NamedTuple):
     tensors: dict[str, Tensor]  # trainer weights, on CPU
     optimizer_state: dict[str, Any]  # torch optimizer state_dict
     manifest: dict[str, Any]  # format, kind, weight_version, step, spec, files
+
+
+def confined(root: Path, tenant: str, path: str) -> str:
+    """``path`` (relative) inside ``root/tenant``, the job's tenant's folder; raises
+    ``CheckpointPathError`` for an absolute path, one that climbs out ('..', a symlink), or an
+    empty one. Another tenant's folder cannot be named, so its checkpoints cannot be loaded."""
+    if not TENANT.match(tenant):
+        raise CheckpointPathError(f"no checkpoint folder for tenant {tenant!r}")
+    if not path or os.path.isabs(path) or ".." in Path(path).parts:
+        raise CheckpointPathError(
+            f"checkpoint path {path!r} must be relative to your checkpoint folder on the worker, without '..' "
+            "(e.g. 'runs/step-100'); absolute paths are refused"
+        )
+    home = (root / tenant).resolve()
+    target = (home / path).resolve()
+    if target == home or home not in target.parents:
+        raise CheckpointPathError(f"checkpoint path {path!r} leads outside your checkpoint folder")
+    home.mkdir(parents=True, exist_ok=True)
+    return str(target)
 
 
 def write(path: str, tensors: dict[str, Tensor], optimizer_state: dict[str, Any], manifest: dict[str, Any]) -> None:
