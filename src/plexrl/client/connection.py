@@ -25,7 +25,7 @@ import zmq
 from plexrl.errors import CoordinatorLostError, PlexError, from_wire
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
-from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
+from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
 from plexrl.protocol.liveness import Liveness
 from plexrl.protocol.pump import Frames, Pump
 
@@ -190,7 +190,11 @@ class Client:
         try:
             msg = self._codec.decode(frames)
         except PlexError as e:
-            log.error("undecodable message from the coordinator: %s", e)
+            # The reply's request id is read before the body: its caller gets the error, not a hang.
+            entry = self._pending.pop(rid_of(e), None)
+            log.error("undecodable message from the coordinator%s: %s", " (failing its call)" if entry else "", e)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(e)
             return
         if isinstance(msg, m.Heartbeat):
             return
