@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="tcp://127.0.0.1:7400", help="endpoint to listen on (port 0 = any free port)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
+    p.add_argument("--client-timeout", type=float, default=30.0, help="seconds a silent client keeps its jobs running")
+    p.add_argument(
+        "--client-grace",
+        type=float,
+        default=300.0,
+        help="seconds a silent client's jobs stay suspended for `client.reattach(name)` before they are closed",
+    )
     _policy(p)
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
@@ -202,6 +209,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--keys and --insecure exclude each other")
     config = CoordinatorConfig(
         keys=args.keys,
+        client_timeout_s=args.client_timeout,
+        client_grace_s=args.client_grace,
         bind=args.bind,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_liveness=args.heartbeat_liveness,

@@ -18,6 +18,7 @@ __all__ = [
     "CoordinatorLostError",
     "InvalidSamplingParamsError",
     "JobClosedError",
+    "JobSuspendedError",
     "LocalClusterError",
     "MalformedMessageError",
     "MessageTooLargeError",
@@ -79,6 +80,12 @@ class UnknownJobError(InvalidRequestError, KeyError):
 
 class JobClosedError(InvalidRequestError):
     code = "job_closed"
+
+
+class JobSuspendedError(InvalidRequestError):
+    """The job's client went away; the job waits (its grace period) for ``client.reattach(name)``."""
+
+    code = "job_suspended"
 
 
 class NotJobOwnerError(InvalidRequestError, PermissionError):

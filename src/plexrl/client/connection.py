@@ -178,6 +178,16 @@ class Client:
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
         return done.job_id, done.result
 
+    async def reattach(self, name: str) -> Any:
+        """Take over this tenant's job ``name`` after its client went away (a restarted script, the
+        same key): returns its ``Job`` handle, state and weights as they were. If the old client is
+        not yet declared gone (the coordinator's ``--client-timeout``), this waits until it is.
+        ``UnknownJobError`` if no such job is open or suspended (its grace period ran out)."""
+        from plexrl.client.job import Job
+
+        done: m.Reattached = await self.request(m.Reattach(name=name), expect(m.Reattached))
+        return Job(self, done.job_id, done.name, done.spec, done.opened)
+
     async def status(self, min_workers: int = 0) -> m.StatusReply:
         """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""
         return await self.request(m.StatusRequest(min_workers=min_workers), expect(m.StatusReply))

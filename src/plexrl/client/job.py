@@ -21,7 +21,7 @@ import numpy as np
 
 from plexrl.client.connection import Client, current_client
 from plexrl.client.trajectory import Trajectory
-from plexrl.errors import JobClosedError, NoJobContextError, PlexError
+from plexrl.errors import JobClosedError, NoJobContextError, PlexError, UnknownJobError
 from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo
 from plexrl.rollout.pipeline import Reward, Rollout
@@ -171,6 +171,7 @@ async def job(
     placement: str = "colocated",
     max_staleness: int = 0,
     client: Client | None = None,
+    reattach: bool = False,
 ) -> AsyncIterator[Job]:
     """Open a job on the current client (``plexrl.local`` / ``plexrl.connect``), close it on exit.
 
@@ -181,6 +182,8 @@ async def job(
     training overlap; ``"colocated"`` (default) keeps both on one worker. ``max_staleness=k``
     trains on samples of weights up to ``k`` versions old (0, the default: strictly on-policy);
     pair it with :class:`plexrl.rollout.StalenessGate` to bound what is in flight.
+    ``reattach=True`` first takes over this key's job ``name`` whose client went away (a restarted
+    script; see ``Client.reattach``), and opens a new one only if there is none.
     """
     client = client or current_client.get()
     if client is None:
@@ -189,8 +192,13 @@ async def job(
         )
     model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
     spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed, max_staleness=max_staleness)
-    job_id, opened = await client.open_job(name, spec, weight, placement)
-    handle = Job(client, job_id, name, spec, opened)
+    handle: Job | None = None
+    if reattach:
+        with contextlib.suppress(UnknownJobError):
+            handle = await client.reattach(name)
+    if handle is None:
+        job_id, opened = await client.open_job(name, spec, weight, placement)
+        handle = Job(client, job_id, name, spec, opened)
     token = current_job.set(handle)
     try:
         yield handle

@@ -49,6 +49,8 @@ class LocalCluster:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         checkpoint_root: str | os.PathLike[str] | None = None,
+        client_timeout_s: float | None = None,
+        client_grace_s: float | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -69,6 +71,10 @@ class LocalCluster:
         self.max_lora_rank = max_lora_rank  # vLLM workers: the largest adapter rank (None: the worker's default)
         # Workers' checkpoint root; this script's jobs save under ROOT/local (None: the worker's default).
         self.checkpoint_root = checkpoint_root
+        # Client leases (None: the coordinator's defaults): silent this long, a client's jobs are
+        # suspended; suspended this long, they are closed.
+        self.client_timeout_s = client_timeout_s
+        self.client_grace_s = client_grace_s
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -130,6 +136,8 @@ class LocalCluster:
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
                 "--heartbeat-liveness", str(self.heartbeat_liveness),
                 "--policy", self.policy,
+                *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
+                *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,

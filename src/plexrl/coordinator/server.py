@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from plexrl.errors import (
     CoordinatorLostError,
     InvalidRequestError,
     JobClosedError,
+    JobSuspendedError,
     NotAuthorizedError,
     NotJobOwnerError,
     PlexError,
@@ -43,7 +45,7 @@ TICK_S = 0.1  # how often jobs waiting for device room are re-checked
 PLACEMENTS = ("colocated", "disaggregated")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
-_CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest)
+_CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.Reattach)
 
 
 @dataclass
@@ -62,8 +64,12 @@ class _JobRecord:
     owner: str  # the tenant: its key (z85) with authentication, else the connection that opened it
     worker_id: str
     sampler_id: str = ""  # a disaggregated job's sampler worker ("" = colocated)
-    state: str = "open"  # "open" -> "closing" -> removed; or "lost"
+    state: str = "open"  # "open" -> "closing" -> removed; "open" <-> "suspended" (its client gone); or "lost"
     calls_done: int = 0
+    client: bytes = b""  # the connection it is attached to
+    spec: calls.JobSpec | None = None
+    opened: calls.Opened | None = None  # what its opening returned (for a client that reattaches)
+    suspended_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,14 @@ class _Waiter:
     min_workers: int
 
 
+@dataclass(frozen=True)
+class _ReattachWaiter:
+    client: bytes
+    rid: int
+    tenant: str
+    name: str
+
+
 @dataclass
 class CoordinatorConfig:
     bind: str = "tcp://127.0.0.1:7400"
@@ -103,6 +117,11 @@ class CoordinatorConfig:
     # A key directory (``plexrl keys init``): CurveZMQ on the socket, peers checked against its
     # allowlists. None: unauthenticated, which only a loopback ``bind`` may be.
     keys: str | None = None
+    # A client silent this long (a script's loop may block for a while: longer than a worker's
+    # window) leaves its jobs suspended: queued calls dropped, running generates aborted ...
+    client_timeout_s: float = 30.0
+    # ... for this long, for ``client.reattach(name)``; then they are closed.
+    client_grace_s: float = 300.0
 
 
 class Coordinator:
@@ -121,7 +140,8 @@ class Coordinator:
         self._calls: dict[int, _CallRecord] = {}
         self._call_of: dict[tuple[bytes, int], int] = {}  # (client, its request id) -> call id
         self._waiters: list[_Waiter] = []
-        self._clients: set[bytes] = set()
+        self._clients: dict[bytes, Liveness] = {}  # connected clients and their heartbeats
+        self._reattach_waiters: list[_ReattachWaiter] = []
         self._call_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
@@ -229,6 +249,13 @@ class Coordinator:
             for rec in list(self._workers.values()):
                 if not rec.liveness.tick():
                     self._lose_worker(rec, f"no heartbeat for {rec.liveness.liveness} intervals of {interval} s")
+            for ident, live in list(self._clients.items()):
+                if not live.tick():
+                    self._lose_client(ident)
+            grace = self.config.client_grace_s
+            for job in [j for j in self._jobs.values() if j.state == "suspended"]:
+                if self._now() - job.suspended_at >= grace:
+                    self._free(job, f"its client went away and did not reattach within {grace:g} s")
 
     async def _tick_loop(self) -> None:
         """Time passing matters to jobs waiting for device room (their starvation bound)."""
@@ -244,6 +271,8 @@ class Coordinator:
         worker_id = self._worker_by_ident.get(ident)
         if worker_id is not None:
             self._workers[worker_id].liveness.heard()
+        elif ident in self._clients:
+            self._clients[ident].heard()
         match msg:
             case m.Heartbeat(rid=rid, worker=call_ident) if call_ident:
                 known = self._worker_by_ident.get(call_ident)
@@ -255,7 +284,8 @@ class Coordinator:
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid))
             case m.Hello(rid=rid):
-                self._clients.add(ident)
+                beats = max(1, math.ceil(self.config.client_timeout_s / self.config.heartbeat_interval_s))
+                self._clients[ident] = Liveness(beats)
                 interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
                 self._send(
                     ident,
@@ -276,6 +306,8 @@ class Coordinator:
                     self._send(ident, self._status(rid, self._peers[ident]))
                 else:
                     self._waiters.append(_Waiter(ident, rid, n))
+            case m.Reattach(rid=rid, name=name):
+                self._reattach(ident, rid, name)
             case m.StateMoved():
                 self._on_state_moved(worker_id, msg)
             case m.CallDone() | m.ErrorReply():
@@ -327,8 +359,9 @@ class Coordinator:
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(
-                    job_id, msg.name, self._peers[ident].tenant, action.worker_id, action.sampler_id
-                )
+                    job_id, msg.name, self._peers[ident].tenant, action.worker_id, action.sampler_id,
+                    client=ident, spec=msg.spec,
+                )  # fmt: skip
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
                 self._carry_out(sch.Fail(job_id, call_id, action.error))
@@ -343,6 +376,10 @@ class Coordinator:
             raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another tenant; a client may only use its own jobs")
         if job.state == "closing":
             raise JobClosedError(f"job {msg.job_id!r} is closed: open a new job to keep going")
+        if job.state == "suspended":
+            raise JobSuspendedError(
+                f"job {msg.job_id!r} lost its client and is suspended: take it over with client.reattach({job.name!r})"
+            )
         if isinstance(msg.call, calls.Open | calls.SetWeights):
             raise InvalidRequestError(
                 f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
@@ -379,6 +416,66 @@ class Coordinator:
         else:
             self._send(self._workers[rec.worker_id].ident, m.Abort(rid=rec.call_id))
 
+    # -- client leases ---------------------------------------------------------------------------
+
+    def _lose_client(self, ident: bytes) -> None:
+        """A client silent for the liveness window: its calls are cancelled, its jobs suspended."""
+        del self._clients[ident]
+        self._waiters = [w for w in self._waiters if w.client != ident]
+        self._reattach_waiters = [w for w in self._reattach_waiters if w.client != ident]
+        for rec in [r for r in self._calls.values() if r.client == ident]:
+            self._cancel(ident, rec.client_rid)
+        for job in [j for j in self._jobs.values() if j.client == ident and j.state == "open"]:
+            job.state, job.suspended_at = "suspended", self._now()
+            log.warning("job %s suspended: its client went silent (grace %g s)", job.job_id, self.config.client_grace_s)
+            waiter = next((w for w in self._reattach_waiters if (w.tenant, w.name) == (job.owner, job.name)), None)
+            if self.config.client_grace_s <= 0:
+                self._free(job, "its client went away (no grace period)")
+            elif waiter is not None:
+                self._reattach_waiters.remove(waiter)
+                self._attach(job, waiter.client, waiter.rid)
+        for job in [j for j in self._jobs.values() if j.client == ident and j.state == "lost"]:
+            self._free(job, "its client went away")
+
+    def _reattach(self, ident: bytes, rid: int, name: str) -> None:
+        tenant = self._peers[ident].tenant
+        mine = [j for j in self._jobs.values() if j.owner == tenant and j.name == name]
+        suspended = [j for j in mine if j.state == "suspended"]
+        if suspended:
+            self._attach(max(suspended, key=lambda j: j.suspended_at), ident, rid)
+        elif any(j.state == "open" and j.client != ident for j in mine):
+            self._reattach_waiters.append(_ReattachWaiter(ident, rid, tenant, name))  # once its client is gone
+        else:
+            raise UnknownJobError(f"no job named {name!r} of yours is open or suspended here: open it with plexrl.job")
+
+    def _attach(self, job: _JobRecord, ident: bytes, rid: int) -> None:
+        assert job.spec is not None
+        if job.opened is None:  # it never finished opening
+            self._free(job, "its client went away while it was opening")
+            self._reply_error(ident, rid, UnknownJobError(f"job {job.name!r} was still opening when its client left"))
+            return
+        job.state, job.client = "open", ident
+        log.info("job %s reattached", job.job_id)
+        self._send(ident, m.Reattached(rid=rid, job_id=job.job_id, name=job.name, spec=job.spec, opened=job.opened))
+
+    def _free(self, job: _JobRecord, reason: str) -> None:
+        """Close a job no client holds (its replies go nowhere)."""
+        log.warning("closing job %s: %s", job.job_id, reason)
+        for waiter in [w for w in self._reattach_waiters if (w.tenant, w.name) == (job.owner, job.name)]:
+            self._reattach_waiters.remove(waiter)
+            self._reply_error(waiter.client, waiter.rid, UnknownJobError(f"job {job.name!r} was closed: {reason}"))
+        if job.state == "lost":
+            for survivor in (job.worker_id, job.sampler_id):
+                if survivor in self._workers:
+                    self._close_unawaited(survivor, job.job_id)
+            del self._jobs[job.job_id]
+            self._apply(sch.JobClosed(job.job_id))
+            return
+        job.state, job.client = "closing", b""
+        call_id = next(self._call_ids)
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, calls.Close())
+        self._apply(sch.CallSubmitted(call_id, job.job_id, "close"))
+
     def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
         rec = self._calls.get(msg.rid)
         if rec is None or rec.worker_id != worker_id:
@@ -399,6 +496,8 @@ class Coordinator:
             )
             if isinstance(result, calls.Opened):
                 self._apply(sch.JobSized(rec.job_id, result.state_bytes))
+                if job is not None:
+                    job.opened = result
         else:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         self._apply(sch.CallFinished(rec.call_id))

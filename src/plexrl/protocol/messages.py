@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from plexrl.protocol.calls import Call, JobSpec, Result
+from plexrl.protocol.calls import Call, JobSpec, Opened, Result
 
 PROTOCOL_VERSION = 1
 
@@ -89,7 +89,21 @@ class StatusRequest(Envelope, tag="status", frozen=True):
     min_workers: int = 0  # answer only once at least this many workers are registered
 
 
+class Reattach(Envelope, tag="reattach", frozen=True):
+    """Take over this tenant's job ``name`` whose client went away (answered ``Reattached``); if
+    that client is not yet declared gone, the answer waits until it is."""
+
+    name: str
+
+
 # -- coordinator -> client ---------------------------------------------------------------------
+
+
+class Reattached(Envelope, tag="reattached", frozen=True):
+    job_id: str
+    name: str
+    spec: JobSpec
+    opened: Opened
 
 
 class Welcome(Envelope, tag="welcome", frozen=True):
@@ -192,11 +206,21 @@ class Abort(Envelope, tag="abort", frozen=True):
     ``CallAbortedError``. A call the engine cannot interrupt finishes as usual."""
 
 
-ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat
-CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Heartbeat | Shutdown
+ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Reattach | Heartbeat
+CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Reattached | Heartbeat | Shutdown
 WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | Heartbeat
 CoordinatorToWorker = Registered | Execute | MoveState | Abort | Heartbeat | Shutdown
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
 ToCoordinator = (
-    Hello | OpenJob | Submit | Cancel | StatusRequest | Heartbeat | Register | CallDone | ErrorReply | StateMoved
+    Hello
+    | OpenJob
+    | Submit
+    | Cancel
+    | StatusRequest
+    | Reattach
+    | Heartbeat
+    | Register
+    | CallDone
+    | ErrorReply
+    | StateMoved
 )
