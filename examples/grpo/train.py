@@ -139,7 +139,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=TINY_MODEL)
     p.add_argument("--workers", type=int, default=1, help="workers of the embedded cluster")
-    p.add_argument("--coordinator", default=None, help="a shared coordinator's address (default: embedded cluster)")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="a shared coordinator's address (default: embedded cluster); your key from $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY",
+    )
     p.add_argument("--out", type=Path, default=Path("runs") / time.strftime("grpo-%Y%m%d-%H%M%S"))
     args = p.parse_args(argv)
     if not 1 <= args.jobs <= len(TASKS):

@@ -94,6 +94,10 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=0,
                         help="k > 0: sample while training, on weights up to k versions old (decoupled PPO)")  # fmt: skip
-    parser.add_argument("--coordinator", default="", help="a shared coordinator's address (default: embedded)")
+    parser.add_argument(
+        "--coordinator",
+        default="",
+        help="a shared coordinator's address (default: embedded); your key from $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY",
+    )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main(parser.parse_args()))
