@@ -14,6 +14,7 @@ __all__ = [
     "BatchShapeError",
     "CallAbortedError",
     "CallFailedError",
+    "CallTimeoutError",
     "CheckpointPathError",
     "CoordinatorLostError",
     "InvalidSamplingParamsError",
@@ -150,6 +151,13 @@ class CallAbortedError(PlexError):
     """The call was cancelled (by its caller, or by the scheduler) before it finished."""
 
     code = "call_aborted"
+
+
+class CallTimeoutError(PlexError, TimeoutError):
+    """A call ran past its deadline (``Client.deadlines``, per call kind): it was aborted at the
+    coordinator (dropped if queued; a vLLM generate stops, other calls finish unheard)."""
+
+    code = "call_timeout"
 
 
 class WorkerLostError(PlexError, ConnectionError):

@@ -154,6 +154,21 @@ async def test_status_reports_workers_and_open_jobs(
     assert job.job_id not in [j.job_id for j in (await cluster.status()).jobs]
 
 
+async def test_a_call_past_its_deadline_fails_and_never_runs(embedded: plexrl.LocalCluster, tiny_model: Path) -> None:
+    """A sync_weights queued behind a long generate, with a deadline shorter than the generate:
+    CallTimeoutError at once, the queued call dropped (the next sync publishes version 1)."""
+    async with (
+        plexrl.connect(embedded.address, credentials=embedded.credentials(), deadlines={"sync_weights": 0.05}) as hasty,
+        plexrl.job("deadlines", model=tiny_model, client=hasty) as job,
+    ):
+        running = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=4, max_tokens=128))
+        with pytest.raises(plexrl.errors.CallTimeoutError, match=r"deadline of 0\.05 s"):
+            await job.sync_weights()
+        assert len((await running).samples) == 128
+        hasty.deadlines["sync_weights"] = 60.0
+        assert (await job.sync_weights()).weight_version == 1
+
+
 async def test_cancelled_and_aborted_calls(cluster: Client, tiny_model: Path) -> None:
     """A queued call that is cancelled (or aborted) never runs; a running call the engine cannot
     interrupt (the hf sampler) runs to its end and an abort then changes nothing."""

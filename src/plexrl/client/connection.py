@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
-from plexrl.errors import CoordinatorLostError, PlexError, from_wire
+from plexrl.errors import CallTimeoutError, CoordinatorLostError, PlexError, from_wire
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
@@ -33,6 +33,20 @@ log = logging.getLogger("plexrl.client")
 
 T = TypeVar("T")
 current_client: contextvars.ContextVar[Client | None] = contextvars.ContextVar("plexrl_client", default=None)
+
+# Seconds a call of each kind may take, queueing included, before it fails with CallTimeoutError
+# (generous: a shared cluster can queue a call behind other jobs for minutes). Override per client.
+DEADLINES_S: dict[str, float] = {
+    "generate": 1800.0,
+    "logprobs": 900.0,
+    "forward_backward": 1800.0,
+    "optim_step": 600.0,
+    "sync_weights": 600.0,
+    "save": 900.0,
+    "load": 900.0,
+    "close": 600.0,
+    "open_job": 900.0,
+}
 
 
 class Client:
@@ -46,8 +60,12 @@ class Client:
         connect_timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: auth.Credentials | None = None,
+        deadlines: dict[str, float] | None = None,
     ) -> None:
         self.address = address
+        # Per call kind ("generate", "forward_backward", ..., "open_job"): seconds until
+        # CallTimeoutError; a kind missing here waits for its reply (or the coordinator's loss).
+        self.deadlines = {**DEADLINES_S, **(deadlines or {})}
         # A client key (CurveZMQ): given, else $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY, else none
         # (a coordinator started with --insecure).
         self.credentials = credentials if credentials is not None else auth.Credentials.from_env()
@@ -131,8 +149,11 @@ class Client:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def request(self, msg: msgspec.Struct, unwrap: Callable[[Any], T]) -> asyncio.Future[T]:
-        """Send ``msg`` now (with a fresh request id) and return the future of its reply."""
+    def request(
+        self, msg: msgspec.Struct, unwrap: Callable[[Any], T], deadline_s: float | None = None
+    ) -> asyncio.Future[T]:
+        """Send ``msg`` now (with a fresh request id) and return the future of its reply; past
+        ``deadline_s`` the request is cancelled at the coordinator and fails with CallTimeoutError."""
         if self._dead is not None:
             raise type(self._dead)(self._dead.message)
         if self._pump is None:
@@ -146,7 +167,19 @@ class Client:
             raise CoordinatorLostError(f"could not send to the coordinator at {self.address}: {e}") from None
         self._pending[rid] = (fut, unwrap)
         fut.add_done_callback(functools.partial(self._on_done, rid))
+        if deadline_s is not None:
+            timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, rid, type(msg).__name__, deadline_s)
+            fut.add_done_callback(lambda _: timer.cancel())
         return fut
+
+    def _expire(self, rid: int, what: str, deadline_s: float) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None or entry[0].done():
+            return
+        self._send_cancel(rid)  # dropped if queued, aborted if running (a vLLM generate)
+        entry[0].set_exception(
+            CallTimeoutError(f"{what} got no answer within its deadline of {deadline_s:g} s (Client.deadlines)")
+        )
 
     def abort(self, fut: asyncio.Future[Any]) -> None:
         """Abort the call behind ``fut`` and keep waiting for its outcome: ``CallAbortedError`` if
@@ -167,13 +200,14 @@ class Client:
                 self._pump.send(self._codec.encode(m.Cancel(rid=next(self._rids), call_rid=rid)))
 
     def submit(self, job_id: str, call: calls.Call, result_type: type[T], priority: int = 0) -> asyncio.Future[T]:
-        return self.request(m.Submit(job_id=job_id, call=call, priority=priority), expect_result(result_type))
+        deadline = self.deadlines.get(calls.CALL_KIND[type(call)])
+        return self.request(m.Submit(job_id=job_id, call=call, priority=priority), expect_result(result_type), deadline)
 
     async def open_job(
         self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
     ) -> tuple[str, calls.Opened]:
         request = m.OpenJob(name=name, spec=spec, weight=weight, placement=placement)
-        done: m.CallDone = await self.request(request, expect(m.CallDone))
+        done: m.CallDone = await self.request(request, expect(m.CallDone), self.deadlines.get("open_job"))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
         return done.job_id, done.result
@@ -278,10 +312,12 @@ def connect(
     name: str = "",
     connect_timeout_s: float = 30.0,
     credentials: auth.Credentials | None = None,
+    deadlines: dict[str, float] | None = None,
 ) -> Client:
     """Connect to a shared coordinator: ``async with plexrl.connect("tcp://head:7400"):``.
 
     ``credentials``: your client key, ``plexrl.Credentials.load("alice.key_secret", "coordinator.key")``;
     by default ``$PLEXRL_KEY`` and ``$PLEXRL_COORDINATOR_KEY`` name those two files.
+    ``deadlines``: seconds per call kind before ``CallTimeoutError`` (defaults: ``DEADLINES_S``).
     """
-    return Client(address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials)
+    return Client(address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials, deadlines=deadlines)
