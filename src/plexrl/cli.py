@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds a silent client's jobs stay suspended for `client.reattach(name)` before they are closed",
     )
+    p.add_argument(
+        "--max-calls-per-tenant", type=int, default=20_000, help="calls one key may have queued or running at once"
+    )
     _policy(p)
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
@@ -211,6 +214,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         keys=args.keys,
         client_timeout_s=args.client_timeout,
         client_grace_s=args.client_grace,
+        max_calls_per_tenant=args.max_calls_per_tenant,
         bind=args.bind,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_liveness=args.heartbeat_liveness,

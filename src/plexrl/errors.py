@@ -32,6 +32,7 @@ __all__ = [
     "ProtocolVersionError",
     "SamplerUnavailableError",
     "StaleSamplesError",
+    "TooManyCallsError",
     "TrajectoryError",
     "UnknownJobError",
     "WorkerLostError",
@@ -126,6 +127,12 @@ class NotAuthorizedError(PlexError, PermissionError):
     opening jobs): use a key of the right role (``plexrl keys add DIR NAME --role ...``)."""
 
     code = "not_authorized"
+
+
+class TooManyCallsError(InvalidRequestError):
+    """A tenant has as many calls queued or running as the coordinator allows (``--max-calls-per-tenant``)."""
+
+    code = "too_many_calls"
 
 
 class NoJobContextError(PlexError, RuntimeError):

@@ -19,7 +19,7 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 import plexrl
-from plexrl.errors import CallFailedError, CheckpointPathError, NotAuthorizedError, NotJobOwnerError
+from plexrl.errors import CallFailedError, CheckpointPathError, NotAuthorizedError, NotJobOwnerError, TooManyCallsError
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
@@ -220,3 +220,30 @@ async def test_without_keys_the_coordinator_serves_loopback_only() -> None:
         _, err = await missing.communicate()
     assert missing.returncode != 0
     assert b"--keys DIR" in err and b"--insecure" in err
+
+
+async def test_a_tenant_past_its_call_limit_gets_a_typed_error_and_keeps_its_job(tiny_model: Path) -> None:
+    coordinator = await _plexrl(
+        "coordinator", "--bind", "tcp://127.0.0.1:0", "--print-address", "--insecure", "--max-calls-per-tenant", "2"
+    )
+    assert coordinator.stdout is not None
+    worker = None
+    try:
+        async with asyncio.timeout(120):
+            address = (await coordinator.stdout.readline()).decode().strip()
+            worker = await _plexrl("worker", "--coordinator", address, "--sampler", "hf")
+            async with plexrl.connect(address, credentials=None) as client:
+                await client.status(min_workers=1)
+                async with plexrl.job("busy", model=tiny_model) as job:
+                    running = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=4, max_tokens=128))
+                    queued = job.sync_weights()
+                    with pytest.raises(TooManyCallsError, match="max-calls-per-tenant"):
+                        await job.sync_weights()
+                    assert len((await running).samples) == 128
+                    assert (await queued).weight_version == 1
+                    assert (await job.sync_weights()).weight_version == 2  # the refused one never ran
+    finally:
+        for proc in (worker, coordinator):
+            if proc is not None:
+                proc.terminate()
+                await proc.wait()

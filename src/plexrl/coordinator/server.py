@@ -9,6 +9,7 @@ arrays in calls and results pass through as zero-copy frames.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -30,6 +31,7 @@ from plexrl.errors import (
     NotAuthorizedError,
     NotJobOwnerError,
     PlexError,
+    TooManyCallsError,
     UnknownJobError,
     WorkerLostError,
 )
@@ -89,6 +91,7 @@ class _CallRecord:
     call: calls.Call
     worker_id: str | None = None  # set on dispatch
     held: m.CallDone | None = None  # a disaggregated job's result, held while its sampler worker follows
+    tenant: str = ""  # whose submitted call this is (counted against its limit)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class CoordinatorConfig:
     client_timeout_s: float = 30.0
     # ... for this long, for ``client.reattach(name)``; then they are closed.
     client_grace_s: float = 300.0
+    max_calls_per_tenant: int = 20_000  # submitted calls queued or running at once; more: TooManyCallsError
 
 
 class Coordinator:
@@ -142,6 +146,7 @@ class Coordinator:
         self._waiters: list[_Waiter] = []
         self._clients: dict[bytes, Liveness] = {}  # connected clients and their heartbeats
         self._reattach_waiters: list[_ReattachWaiter] = []
+        self._calls_of_tenant: collections.Counter[str] = collections.Counter()
         self._call_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
@@ -396,10 +401,18 @@ class Coordinator:
             return
         if job.state == "lost":
             raise WorkerLostError(f"job {msg.job_id!r} lost its worker; open it again and load its last checkpoint")
+        tenant = self._peers[ident].tenant
+        limit = self.config.max_calls_per_tenant
+        if self._calls_of_tenant[tenant] >= limit and not isinstance(msg.call, calls.Close):
+            raise TooManyCallsError(
+                f"{limit} of your calls are queued or running (the coordinator's --max-calls-per-tenant): "
+                "await some before submitting more"
+            )
         if isinstance(msg.call, calls.Close):
             job.state = "closing"
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call)
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call, tenant=tenant)
+        self._calls_of_tenant[tenant] += 1
         self._call_of[(ident, msg.rid)] = call_id
         self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
 
@@ -555,7 +568,8 @@ class Coordinator:
         self._apply(sch.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
 
     def _forget(self, rec: _CallRecord) -> None:
-        self._calls.pop(rec.call_id, None)
+        if self._calls.pop(rec.call_id, None) is not None and rec.tenant:
+            self._calls_of_tenant[rec.tenant] -= 1
         self._call_of.pop((rec.client, rec.client_rid), None)
 
     # -- scheduler seam -------------------------------------------------------------------------
