@@ -229,12 +229,13 @@ class Coordinator:
         """Who sent ``msg`` (its tenant, for jobs and status); with keys, the message must suit the
         role of the key its connection authenticated with."""
         if self._allowlist is None:
-            self._peers[ident] = _Peer(ident.hex(), admin=True)  # a connection is a tenant; no secrets
+            if ident not in self._peers:
+                self._peers[ident] = _Peer(ident.hex(), admin=True)  # a connection is a tenant; no secrets
             return
         user = frame.get("User-Id")  # the key ZAP admitted the connection with (z85)
         role = self._allowlist.role(user if isinstance(user, str) else None)
-        if isinstance(user, str) and role is not None:
-            self._peers[ident] = _Peer(user, admin=role == "admin")
+        if isinstance(user, str) and role is not None and ident not in self._peers:
+            self._peers[ident] = _Peer(user, admin=role == "admin")  # a connection keeps its key
         if isinstance(msg, _WORKER_MESSAGES) or (isinstance(msg, m.Heartbeat) and msg.worker):
             if role != "worker":
                 raise NotAuthorizedError(
@@ -434,6 +435,7 @@ class Coordinator:
     def _lose_client(self, ident: bytes) -> None:
         """A client silent for the liveness window: its calls are cancelled, its jobs suspended."""
         del self._clients[ident]
+        self._peers.pop(ident, None)
         self._waiters = [w for w in self._waiters if w.client != ident]
         self._reattach_waiters = [w for w in self._reattach_waiters if w.client != ident]
         for rec in [r for r in self._calls.values() if r.client == ident]:
