@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-calls-per-tenant", type=int, default=20_000, help="calls one key may have queued or running at once"
     )
+    p.add_argument(
+        "--max-bytes-per-tenant",
+        type=parse_bytes,
+        default=16 << 30,
+        help="bytes of messages one key's queued and running calls may hold, e.g. 16GiB",
+    )
     _policy(p)
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
@@ -215,6 +221,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         client_timeout_s=args.client_timeout,
         client_grace_s=args.client_grace,
         max_calls_per_tenant=args.max_calls_per_tenant,
+        max_bytes_per_tenant=args.max_bytes_per_tenant,
         bind=args.bind,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_liveness=args.heartbeat_liveness,

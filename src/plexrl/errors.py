@@ -130,7 +130,8 @@ class NotAuthorizedError(PlexError, PermissionError):
 
 
 class TooManyCallsError(InvalidRequestError):
-    """A tenant has as many calls queued or running as the coordinator allows (``--max-calls-per-tenant``)."""
+    """A tenant has as many calls (or bytes of them) queued or running as the coordinator allows
+    (``--max-calls-per-tenant``, ``--max-bytes-per-tenant``)."""
 
     code = "too_many_calls"
 

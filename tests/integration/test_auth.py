@@ -222,12 +222,15 @@ async def test_without_keys_the_coordinator_serves_loopback_only() -> None:
     assert b"--keys DIR" in err and b"--insecure" in err
 
 
-async def test_a_tenant_past_its_call_limit_gets_a_typed_error_and_keeps_its_job(tiny_model: Path) -> None:
-    coordinator = await _plexrl(
-        "coordinator", "--bind", "tcp://127.0.0.1:0", "--print-address", "--insecure", "--max-calls-per-tenant", "2"
-    )
+@pytest.mark.parametrize("limit", ["calls", "bytes"])
+async def test_a_tenant_past_its_limits_gets_a_typed_error_and_keeps_its_job(tiny_model: Path, limit: str) -> None:
+    # calls: 2 at once, so a third (behind a long generate and a sync) is refused; bytes: 300 kB,
+    # so a second 240 kB logprobs call is refused while the first waits.
+    flag = ["--max-calls-per-tenant", "2"] if limit == "calls" else ["--max-bytes-per-tenant", "300kB"]
+    coordinator = await _plexrl("coordinator", "--bind", "tcp://127.0.0.1:0", "--print-address", "--insecure", *flag)
     assert coordinator.stdout is not None
     worker = None
+    rows = [[1, *([5] * 999)]] * 60  # 60 x 1000 int32 tokens: 240 kB
     try:
         async with asyncio.timeout(120):
             address = (await coordinator.stdout.readline()).decode().strip()
@@ -236,12 +239,12 @@ async def test_a_tenant_past_its_call_limit_gets_a_typed_error_and_keeps_its_job
                 await client.status(min_workers=1)
                 async with plexrl.job("busy", model=tiny_model) as job:
                     running = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=4, max_tokens=128))
-                    queued = job.sync_weights()
-                    with pytest.raises(TooManyCallsError, match="max-calls-per-tenant"):
-                        await job.sync_weights()
+                    queued = job.sync_weights() if limit == "calls" else job.logprobs(rows)
+                    with pytest.raises(TooManyCallsError, match=f"max-{limit}-per-tenant"):
+                        await (job.sync_weights() if limit == "calls" else job.logprobs(rows))
                     assert len((await running).samples) == 128
-                    assert (await queued).weight_version == 1
-                    assert (await job.sync_weights()).weight_version == 2  # the refused one never ran
+                    await queued
+                    assert (await job.sync_weights()).weight_version == (2 if limit == "calls" else 1)
     finally:
         for proc in (worker, coordinator):
             if proc is not None:

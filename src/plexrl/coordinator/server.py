@@ -91,7 +91,8 @@ class _CallRecord:
     call: calls.Call
     worker_id: str | None = None  # set on dispatch
     held: m.CallDone | None = None  # a disaggregated job's result, held while its sampler worker follows
-    tenant: str = ""  # whose submitted call this is (counted against its limit)
+    tenant: str = ""  # whose submitted call this is (counted against its limits)
+    nbytes: int = 0  # its message's size
 
 
 @dataclass
@@ -126,6 +127,7 @@ class CoordinatorConfig:
     # ... for this long, for ``client.reattach(name)``; then they are closed.
     client_grace_s: float = 300.0
     max_calls_per_tenant: int = 20_000  # submitted calls queued or running at once; more: TooManyCallsError
+    max_bytes_per_tenant: int = 16 << 30  # and the bytes of their messages (batches, prompts)
 
 
 class Coordinator:
@@ -147,6 +149,8 @@ class Coordinator:
         self._clients: dict[bytes, Liveness] = {}  # connected clients and their heartbeats
         self._reattach_waiters: list[_ReattachWaiter] = []
         self._calls_of_tenant: collections.Counter[str] = collections.Counter()
+        self._bytes_of_tenant: collections.Counter[str] = collections.Counter()
+        self._inbound_bytes = 0  # the size of the message being handled
         self._call_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
@@ -213,6 +217,7 @@ class Coordinator:
 
     def _on_frames(self, frames: Frames) -> None:
         ident, body = frames[0].bytes, frames[1:]
+        self._inbound_bytes = sum(len(f) for f in body)
         try:
             msg = self._codec.decode(body)
         except PlexError as e:
@@ -402,18 +407,25 @@ class Coordinator:
             return
         if job.state == "lost":
             raise WorkerLostError(f"job {msg.job_id!r} lost its worker; open it again and load its last checkpoint")
-        tenant = self._peers[ident].tenant
-        limit = self.config.max_calls_per_tenant
-        if self._calls_of_tenant[tenant] >= limit and not isinstance(msg.call, calls.Close):
-            raise TooManyCallsError(
-                f"{limit} of your calls are queued or running (the coordinator's --max-calls-per-tenant): "
-                "await some before submitting more"
-            )
+        tenant, nbytes = self._peers[ident].tenant, self._inbound_bytes
+        if not isinstance(msg.call, calls.Close):
+            limit, byte_limit = self.config.max_calls_per_tenant, self.config.max_bytes_per_tenant
+            if self._calls_of_tenant[tenant] >= limit:
+                raise TooManyCallsError(
+                    f"{limit} of your calls are queued or running (the coordinator's --max-calls-per-tenant): "
+                    "await some before submitting more"
+                )
+            if self._bytes_of_tenant[tenant] + nbytes > byte_limit:
+                raise TooManyCallsError(
+                    f"your queued and running calls hold {self._bytes_of_tenant[tenant]} bytes and this one "
+                    f"{nbytes}, over the coordinator's --max-bytes-per-tenant {byte_limit}: await some first"
+                )
         if isinstance(msg.call, calls.Close):
             job.state = "closing"
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call, tenant=tenant)
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call, tenant=tenant, nbytes=nbytes)
         self._calls_of_tenant[tenant] += 1
+        self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
         self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
 
@@ -572,6 +584,7 @@ class Coordinator:
     def _forget(self, rec: _CallRecord) -> None:
         if self._calls.pop(rec.call_id, None) is not None and rec.tenant:
             self._calls_of_tenant[rec.tenant] -= 1
+            self._bytes_of_tenant[rec.tenant] -= rec.nbytes
         self._call_of.pop((rec.client, rec.client_rid), None)
 
     # -- scheduler seam -------------------------------------------------------------------------
