@@ -10,9 +10,9 @@ import os
 import re
 import signal
 import sys
-from typing import Any
 
 from plexrl.errors import InvalidRequestError
+from plexrl.protocol import auth
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -148,9 +148,7 @@ def _credentials(p: argparse.ArgumentParser, role: str) -> None:
                    "($PLEXRL_COORDINATOR_KEY)")  # fmt: skip
 
 
-def _load_credentials(args: argparse.Namespace) -> Any:
-    from plexrl.protocol import auth
-
+def _load_credentials(args: argparse.Namespace) -> auth.Credentials | None:
     if args.key or args.coordinator_key:
         if not (args.key and args.coordinator_key):
             raise InvalidRequestError("pass both --key (your NAME.key_secret) and --coordinator-key (coordinator.key)")
@@ -328,8 +326,6 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from plexrl.protocol import auth
-
     if args.keys_command == "init":
         auth.init_dir(args.dir)
         print(f"key directory {args.dir}: give peers {args.dir}/coordinator.key; issue keys with "

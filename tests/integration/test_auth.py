@@ -53,7 +53,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
         await coordinator.wait()
 
 
-def _socket(ctx: zmq.asyncio.Context, address: str, creds: auth.Credentials) -> zmq.asyncio.Socket:
+def _socket(ctx: zmq.asyncio.Context, creds: auth.Credentials) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     creds.apply(sock)
@@ -84,7 +84,7 @@ async def _ask(sock: zmq.asyncio.Socket, msg: m.Envelope) -> m.Envelope:
         return REPLIES.decode(await sock.recv_multipart(copy=False))
 
 
-async def test_keys_are_written_owner_only(tmp_path: Path) -> None:
+def test_keys_are_written_owner_only(tmp_path: Path) -> None:
     auth.init_dir(tmp_path / "k")
     secret = auth.add_key(tmp_path / "k", "bob", "client")
     for path in (secret, tmp_path / "k" / "coordinator.key_secret"):
@@ -102,12 +102,10 @@ async def test_a_key_not_on_the_allowlist_is_refused_at_the_handshake(
     rogue = auth.write_pair(tmp_path / "rogue.key_secret", tmp_path / "rogue.key")
     ctx = zmq.asyncio.Context()
     try:
-        sock = _socket(ctx, address, auth.Credentials(rogue, auth.load_public(keys / "coordinator.key")))
+        sock = _socket(ctx, auth.Credentials(rogue, auth.load_public(keys / "coordinator.key")))
         assert await _handshake(sock, address) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         sock.close()
-        member = _socket(
-            ctx, address, auth.Credentials.load(keys / "secret" / "w0.key_secret", keys / "coordinator.key")
-        )
+        member = _socket(ctx, auth.Credentials.load(keys / "secret" / "w0.key_secret", keys / "coordinator.key"))
         assert await _handshake(member, address) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         member.close()
     finally:
@@ -122,13 +120,13 @@ async def test_a_client_key_cannot_register_a_worker_nor_a_worker_key_open_a_ses
     register = m.Register(rid=1, name="impostor", device="cpu", engines=["hf"], memory_budget_bytes=1, pid=1)
     ctx = zmq.asyncio.Context()
     try:
-        client = _socket(ctx, address, auth.Credentials.load(keys / "secret" / "alice.key_secret", coordinator_key))
+        client = _socket(ctx, auth.Credentials.load(keys / "secret" / "alice.key_secret", coordinator_key))
         client.connect(address)
         reply = await _ask(client, register)
         assert isinstance(reply, m.ErrorReply) and reply.code == NotAuthorizedError.code, reply
         assert "worker key" in reply.message
         assert isinstance(await _ask(client, m.Hello(rid=2)), m.Welcome)  # what a client key is for
-        worker = _socket(ctx, address, auth.Credentials.load(keys / "secret" / "w0.key_secret", coordinator_key))
+        worker = _socket(ctx, auth.Credentials.load(keys / "secret" / "w0.key_secret", coordinator_key))
         worker.connect(address)
         reply = await _ask(worker, m.Hello(rid=3))
         assert isinstance(reply, m.ErrorReply) and reply.code == NotAuthorizedError.code, reply

@@ -40,12 +40,6 @@ async def embedded(tiny_model: Path) -> AsyncIterator[plexrl.LocalCluster]:
         yield local
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster(embedded: plexrl.LocalCluster) -> Client:
-    assert embedded.client is not None
-    return embedded.client
-
-
 RAW_KEYS = itertools.count()
 
 

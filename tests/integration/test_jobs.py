@@ -31,12 +31,6 @@ async def embedded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield local
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster(embedded: plexrl.LocalCluster) -> Client:
-    assert embedded.client is not None
-    return embedded.client
-
-
 async def test_client_processes_pipelining_calls_see_them_executed_in_order(
     cluster: Client, embedded: plexrl.LocalCluster, tiny_model: Path
 ) -> None:

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
@@ -28,6 +28,9 @@ from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
 from plexrl.protocol.liveness import Liveness
 from plexrl.protocol.pump import Frames, Pump
+
+if TYPE_CHECKING:
+    from plexrl.client.job import Job
 
 log = logging.getLogger("plexrl.client")
 
@@ -212,12 +215,12 @@ class Client:
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
         return done.job_id, done.result
 
-    async def reattach(self, name: str) -> Any:
+    async def reattach(self, name: str) -> Job:
         """Take over this tenant's job ``name`` after its client went away (a restarted script, the
         same key): returns its ``Job`` handle, state and weights as they were. If the old client is
         not yet declared gone (the coordinator's ``--client-timeout``), this waits until it is.
         ``UnknownJobError`` if no such job is open or suspended (its grace period ran out)."""
-        from plexrl.client.job import Job
+        from plexrl.client.job import Job  # job.py imports this module
 
         done: m.Reattached = await self.request(m.Reattach(name=name), expect(m.Reattached))
         return Job(self, done.job_id, done.name, done.spec, done.opened)

@@ -65,11 +65,11 @@ class _JobRecord:
     name: str
     owner: str  # the tenant: its key (z85) with authentication, else the connection that opened it
     worker_id: str
+    spec: calls.JobSpec
     sampler_id: str = ""  # a disaggregated job's sampler worker ("" = colocated)
     state: str = "open"  # "open" -> "closing" -> removed; "open" <-> "suspended" (its client gone); or "lost"
     calls_done: int = 0
     client: bytes = b""  # the connection it is attached to
-    spec: calls.JobSpec | None = None
     opened: calls.Opened | None = None  # what its opening returned (for a client that reattaches)
     suspended_at: float = 0.0
 
@@ -370,8 +370,8 @@ class Coordinator:
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(
-                    job_id, msg.name, self._peers[ident].tenant, action.worker_id, action.sampler_id,
-                    client=ident, spec=msg.spec,
+                    job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
+                    sampler_id=action.sampler_id, client=ident,
                 )  # fmt: skip
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
@@ -396,13 +396,8 @@ class Coordinator:
                 f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
             )
         _validate(msg.call)
-        if job.state == "lost" and isinstance(msg.call, calls.Close):  # nothing left to free, but
-            # a disaggregated job's surviving worker still holds its half: freed, unawaited.
-            for survivor in (job.worker_id, job.sampler_id):
-                if survivor in self._workers:
-                    self._close_unawaited(survivor, job.job_id)
-            del self._jobs[job.job_id]
-            self._apply(sch.JobClosed(job.job_id))
+        if job.state == "lost" and isinstance(msg.call, calls.Close):
+            self._drop_lost(job)
             self._send(ident, m.CallDone(rid=msg.rid, job_id=job.job_id, result=calls.Closed()))
             return
         if job.state == "lost":
@@ -476,7 +471,6 @@ class Coordinator:
             raise UnknownJobError(f"no job named {name!r} of yours is open or suspended here: open it with plexrl.job")
 
     def _attach(self, job: _JobRecord, ident: bytes, rid: int) -> None:
-        assert job.spec is not None
         if job.opened is None:  # it never finished opening
             self._free(job, "its client went away while it was opening")
             self._reply_error(ident, rid, UnknownJobError(f"job {job.name!r} was still opening when its client left"))
@@ -492,16 +486,21 @@ class Coordinator:
             self._reattach_waiters.remove(waiter)
             self._reply_error(waiter.client, waiter.rid, UnknownJobError(f"job {job.name!r} was closed: {reason}"))
         if job.state == "lost":
-            for survivor in (job.worker_id, job.sampler_id):
-                if survivor in self._workers:
-                    self._close_unawaited(survivor, job.job_id)
-            del self._jobs[job.job_id]
-            self._apply(sch.JobClosed(job.job_id))
+            self._drop_lost(job)
             return
         job.state, job.client = "closing", b""
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, calls.Close())
         self._apply(sch.CallSubmitted(call_id, job.job_id, "close"))
+
+    def _drop_lost(self, job: _JobRecord) -> None:
+        """Forget a job that lost its worker: nothing left to free, but a disaggregated job's
+        surviving worker still holds its half (freed, unawaited)."""
+        for survivor in (job.worker_id, job.sampler_id):
+            if survivor in self._workers:
+                self._close_unawaited(survivor, job.job_id)
+        del self._jobs[job.job_id]
+        self._apply(sch.JobClosed(job.job_id))
 
     def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
         rec = self._calls.get(msg.rid)

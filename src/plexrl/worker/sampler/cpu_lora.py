@@ -2,8 +2,8 @@
 
 vLLM's CPU LoRA ops (``vllm.lora.ops.torch_ops``) gather every token's adapter matrices
 (``lora_b[indices]``: a ``[tokens, out, rank]`` copy per layer and projection) and multiply one
-token at a time; on the shipped model that made the adapters cost 5x the base model's matmuls
-(``bench/marlaas.py``'s profile, 32 tenants). ``GroupedPunicaWrapperCPU`` sorts a step's tokens
+token at a time (``bench/lora_layers.py`` times both on the shipped model's shapes).
+``GroupedPunicaWrapperCPU`` sorts a step's tokens
 by adapter once and multiplies each adapter's tokens together: one batched matmul over the
 adapters with few tokens (padded to the largest of them) and one matmul per adapter with many.
 Same arithmetic (``y += scale * (x @ A.T) @ B.T`` per token), float32 like vLLM's buffers.

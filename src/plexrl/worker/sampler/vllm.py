@@ -128,7 +128,7 @@ class VllmSampler:
             # process, the engine spins on a shared-memory queue while the runner computes, and
             # on one pinned core the two take turns erratically (decode steps varied by +-20%).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            # Multi-LoRA layers grouped by adapter, 2-3x faster than vLLM's CPU ops (cpu_lora.py;
+            # Multi-LoRA layers grouped by adapter, faster than vLLM's CPU ops (cpu_lora.py, bench/lora_layers.py;
             # PLEXRL_GROUPED_LORA=0 keeps vLLM's own).
             os.environ.setdefault(cpu_lora.ENV, "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
