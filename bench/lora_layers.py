@@ -88,7 +88,6 @@ def main() -> None:
         y_vllm, y_grouped = torch.zeros(tokens, sum(SLICES)), torch.zeros(tokens, sum(SLICES))
         ref = wrapper(PunicaWrapperCPU, indices, prefill)
         grouped = wrapper(cpu_lora.GroupedPunicaWrapperCPU, indices, prefill)
-        grouped._groups = None
         ref.add_lora_linear(y_vllm, x, lora_a, lora_b, 1.0, SLICES)
         grouped.add_lora_linear(y_grouped, x, lora_a, lora_b, 1.0, SLICES)  # makes the step's groups
         diff = float((y_vllm - y_grouped).abs().max())

@@ -23,7 +23,6 @@ def wrapper(cls: type, indices: torch.Tensor, prefill: bool) -> PunicaWrapperCPU
     w._token_lora_indices[: len(indices)] = indices
     w.indices_len[:] = [len(indices)] * 4
     w.is_prefill = prefill
-    w._groups = None
     if prefill:
         w._update_prefill_metadata(w.token_lora_indices)
     return w
@@ -64,6 +63,49 @@ def test_tokens_without_an_adapter_get_nothing() -> None:
     w.add_lora_linear(y, torch.randn(4, IN), lora_a, lora_b, 1.0, SLICES)
     assert torch.all(y[[1, 3]] == 0)
     assert torch.all(y[[0, 2]] != 0)
+
+
+def test_an_adapter_with_non_finite_weights_touches_only_its_own_tokens() -> None:
+    g = torch.Generator().manual_seed(3)
+    lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN, generator=g) for _ in SLICES)
+    lora_b = tuple(torch.randn(SLOTS, 1, out, RANK, generator=g) for out in SLICES)
+    for b in lora_b:
+        b[3] = float("inf")
+    indices = torch.tensor([0, 3, 0, 0, 5, 3, 0])  # slot 0 pads slot 3's and 5's groups
+    y = torch.zeros(len(indices), sum(SLICES))
+    wrapper(cpu_lora.GroupedPunicaWrapperCPU, indices, prefill=False).add_lora_linear(
+        y, torch.randn(len(indices), IN, generator=g), lora_a, lora_b, 1.0, SLICES
+    )
+    assert torch.all(torch.isfinite(y[indices != 3]))
+
+
+def test_a_slot_given_another_adapter_is_served_its_weights() -> None:
+    """The layer's combined weights are kept across steps until vLLM's slots change (it calls
+    ``update_metadata`` with the slots' adapter ids before a step that uses a new adapter)."""
+    from vllm.lora.layers.utils import LoRAMapping
+
+    g = torch.Generator().manual_seed(7)
+    lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN, generator=g) for _ in SLICES)
+    lora_b = tuple(torch.randn(SLOTS, 1, out, RANK, generator=g) for out in SLICES)
+    x = torch.randn(6, IN, generator=g)
+    slots: list[int | None] = [None] * SLOTS
+    slots[:2] = [11, 12]
+    mapping = LoRAMapping(index_mapping=(11, 12, 11, 12, 11, 12), prompt_mapping=(11, 12))
+    grouped, ref = cpu_lora.GroupedPunicaWrapperCPU(4096, 256, "cpu"), PunicaWrapperCPU(4096, 256, "cpu")
+
+    def step() -> None:
+        got, expected = torch.zeros(6, sum(SLICES)), torch.zeros(6, sum(SLICES))
+        for w, y in ((grouped, got), (ref, expected)):
+            w.update_metadata(mapping, slots, SLOTS + 1, 64)
+            w.add_lora_linear(y, x, lora_a, lora_b, 1.0, SLICES)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+    step()
+    for a in lora_a:  # vLLM activates adapter 13 in slot 1 (in place), then maps tokens to it
+        a[1].copy_(torch.randn(1, RANK, IN, generator=g))
+    slots[1] = 13
+    mapping = LoRAMapping(index_mapping=(11, 13, 11, 13, 11, 13), prompt_mapping=(11, 13))
+    step()
 
 
 def test_the_plugin_acts_only_when_the_worker_asks(monkeypatch: pytest.MonkeyPatch) -> None:
