@@ -55,6 +55,14 @@ def test_grouped_layers_add_what_vllm_adds(case: str, tokens: int, prefill: bool
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_groups_pad_only_the_adapters_in_the_step_and_take_out_a_crowded_one() -> None:
+    scattered = cpu_lora.TokenGroups.of(torch.tensor([0, 31, 0, 31, 31, 0]))
+    assert scattered.width == 3 and len(scattered.source) == 6 and not scattered.big  # not 32 slots of padding
+    crowded = cpu_lora.TokenGroups.of(torch.tensor([4] * 200 + [1, 2, 3, 5, 6]))
+    assert [slot for slot, _ in crowded.big] == [4] and crowded.width == 1
+    assert len(crowded.big[0][1]) == 200
+
+
 def test_tokens_without_an_adapter_get_nothing() -> None:
     lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN) for _ in SLICES)
     lora_b = tuple(torch.randn(SLOTS, 1, out, RANK) for out in SLICES)

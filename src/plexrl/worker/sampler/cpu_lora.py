@@ -4,11 +4,10 @@ vLLM's CPU LoRA ops (``vllm.lora.ops.torch_ops``) gather every token's adapter m
 (``lora_b[indices]``: a ``[tokens, out, rank]`` copy per layer and projection) and multiply one
 token at a time (``bench/lora_layers.py`` times both on the shipped model's shapes).
 ``GroupedPunicaWrapperCPU`` groups a step's tokens by adapter once and multiplies each adapter's
-tokens together: one batched matmul over the adapters with few tokens (padded to the largest of
-them, laid out by slot so the weights are views, not copies) and one matmul per adapter with
-many. A layer's slices (q/k/v, gate/up) go through one shrink and one expand matmul on weights
-combined once per change of vLLM's adapter slots. Same arithmetic (``y += scale * (x @ A.T) @
-B.T`` per token), float32 like vLLM's buffers.
+tokens together: one batched matmul over the adapters with few tokens (each padded to a common
+width) and one matmul per adapter with many. A layer's slices (q/k/v, gate/up) go through one
+shrink and one expand matmul, on weights combined per slot when vLLM puts an adapter in the slot.
+Same arithmetic (``y += scale * (x @ A.T) @ B.T`` per token), float32 like vLLM's buffers.
 A token without an adapter (index -1) gets nothing added, as on vLLM's GPU kernels (the CPU
 ops index slot -1, the last adapter's).
 
@@ -38,24 +37,27 @@ def register() -> None:
     CpuPlatform.get_punica_wrapper = classmethod(lambda cls: f"{__name__}.GroupedPunicaWrapperCPU")
 
 
+# What an adapter's own matmuls cost beyond its rows (four more ops, ~30 us), in padded rows of the
+# batched matmul (~0.45 us each on the shipped model's q/k/v): measured with bench/lora_layers.py.
+GROUP_COST_ROWS = 64
+
+
 @dataclass(frozen=True)
 class TokenGroups:
     """A step's tokens grouped by adapter slot, made once per step for every layer.
 
-    Adapters with few tokens share one batched matmul: their tokens are laid out by slot in
-    ``(hi - lo + 1) x width`` padded rows (slot ``s``'s i-th token at row ``(s - lo) * width + i``),
-    so each slot's weights are a view of the stacked ones, never gathered. ``source`` names the
-    token feeding each padded row (``n``, a zero row, for padding); only real rows are added back
-    (``rows`` into ``tokens``), so nothing computed on padding reaches a token, even from an
-    adapter with non-finite weights. An adapter holding more than twice
-    the mean tokens per adapter gets matmuls of its own (``big``), so one busy tenant does not
-    pad every other to its size. Tokens of slot -1 (no adapter) are in neither.
+    The adapters with fewer tokens share one batched matmul, each padded to ``width`` rows
+    (``small[i]``'s j-th token at row ``i * width + j``; ``source`` names the token feeding each
+    padded row, ``n`` (a zero row) for padding). The ones with more get matmuls of their own
+    (``big``). Where the line falls is chosen per step to cost the least: padding every small
+    adapter to the widest of them against ``GROUP_COST_ROWS`` per adapter taken out. Only real
+    rows are added back (``rows`` into ``tokens``), so nothing computed on padding reaches a token,
+    even from an adapter with non-finite weights. Tokens of slot -1 (no adapter) are in neither.
     """
 
-    lo: int  # first slot of the padded rows
-    slots: int  # slots lo .. lo + slots - 1 are padded (0: no small group)
-    width: int  # rows per slot
-    source: Tensor  # [slots * width] token index, n for padding
+    small: Tensor  # [S] slots of the padded groups
+    width: int  # rows per padded group
+    source: Tensor  # [S * width] token index, n for padding
     rows: Tensor  # the padded row of each small group's token ...
     tokens: Tensor  # ... and that token
     big: tuple[tuple[int, Tensor], ...]  # (slot, its tokens)
@@ -67,56 +69,62 @@ class TokenGroups:
         order = valid[torch.argsort(indices[valid], stable=True)]
         slot_of = indices[order]
         slots, counts = torch.unique_consecutive(slot_of, return_counts=True)
-        cap = max(1, 2 * len(order) // max(1, len(slots)))  # above twice the mean, a group is big
-        is_big = counts > cap
         starts = torch.cumsum(counts, 0) - counts
+        sizes = counts.tolist()
+        # Taking out the j largest groups costs their rows plus GROUP_COST_ROWS each; the rest pad
+        # to the (j+1)-th largest.
+        by_size = sorted(sizes, reverse=True)
+        costs = [sum(by_size[:j]) + j * GROUP_COST_ROWS + (len(sizes) - j) * (by_size[j] if j < len(sizes) else 0)
+                 for j in range(len(sizes) + 1)]  # fmt: skip
+        taken = min(range(len(costs)), key=costs.__getitem__)
+        width = by_size[taken] if taken < len(sizes) else 0
+        is_big = counts > width  # exactly the ``taken`` largest: a tie at the line would cost more
         big = tuple(
             (slot, order[start : start + count])
             for slot, start, count in zip(
                 slots[is_big].tolist(), starts[is_big].tolist(), counts[is_big].tolist(), strict=True
             )
         )
-        small_slots = slots[~is_big]
-        if not len(small_slots):
+        small_counts = counts[~is_big]
+        if not len(small_counts):
             empty = torch.zeros(0, dtype=torch.long)
-            return TokenGroups(0, 0, 0, empty, empty, empty, big)
-        lo, hi = int(small_slots.min()), int(small_slots.max())
-        width = int(counts[~is_big].max())
+            return TokenGroups(empty, 0, empty, empty, empty, big)
         small = ~torch.repeat_interleave(is_big, counts)
+        group = torch.repeat_interleave(torch.cumsum(~is_big, 0) - 1, counts)  # each token's padded group
         within = torch.arange(len(order)) - torch.repeat_interleave(starts, counts)
-        rows = ((slot_of - lo) * width + within)[small]
-        source = torch.full(((hi - lo + 1) * width,), n, dtype=torch.long)
+        rows = (group * width + within)[small]
+        source = torch.full((len(small_counts) * width,), n, dtype=torch.long)
         source[rows] = order[small]
-        return TokenGroups(lo, hi - lo + 1, width, source, rows, order[small], big)
+        return TokenGroups(slots[~is_big], width, source, rows, order[small], big)
 
 
-@dataclass(frozen=True)
 class LayerWeights:
-    """One LoRA layer's adapters, all slices at once: ``y += x @ shrink[s] @ expand[s]`` for slot s.
+    """One LoRA layer's adapters, every slice at once: ``y += x @ shrink[s] @ expand[s]`` for slot s.
 
     ``shrink`` is every slice's A side by side ([slots, in, k * rank]); ``expand`` puts each
     slice's B (times the scale) in its own block of rows and columns ([slots, k * rank, sum of
-    outs]), so one matmul expands every slice. Slots without an adapter are zero.
+    outs]), so one matmul expands every slice. ``load`` combines one slot from vLLM's stacked
+    tensors (a free slot is zero: it may still hold a former adapter's weights).
     """
 
-    shrink: Tensor
-    expand: Tensor
+    def __init__(self, lora_a: tuple[Tensor, ...], lora_b: tuple[Tensor, ...], scale: float) -> None:
+        self.lora_a, self.lora_b, self.scale = lora_a, lora_b, scale
+        self.rank = lora_a[0].shape[-2]
+        self.outs = [b.shape[-2] for b in lora_b]
+        slots, k = lora_a[0].shape[0], len(lora_a)
+        self.shrink = torch.zeros((slots, lora_a[0].shape[-1], k * self.rank))
+        self.expand = torch.zeros((slots, k * self.rank, sum(self.outs)))
 
-    @staticmethod
-    def of(lora_a: tuple[Tensor, ...], lora_b: tuple[Tensor, ...], scale: float, active: Tensor | None) -> LayerWeights:
-        rank = lora_a[0].shape[-2]
-        shrink = torch.cat([a[:, 0].to(torch.float32) for a in lora_a], dim=1).transpose(1, 2).contiguous()
-        outs = [b.shape[-2] for b in lora_b]
-        expand = shrink.new_zeros((shrink.shape[0], rank * len(lora_b), sum(outs)))
-        at = 0
-        for i, (b, out) in enumerate(zip(lora_b, outs, strict=True)):
-            expand[:, i * rank : (i + 1) * rank, at : at + out] = b[:, 0].to(torch.float32).transpose(1, 2) * scale
+    def load(self, slot: int, active: bool) -> None:
+        self.shrink[slot] = 0
+        self.expand[slot] = 0
+        if not active:
+            return
+        r, at = self.rank, 0
+        for i, (a, b, out) in enumerate(zip(self.lora_a, self.lora_b, self.outs, strict=True)):
+            self.shrink[slot, :, i * r : (i + 1) * r] = a[slot, 0].to(torch.float32).T
+            self.expand[slot, i * r : (i + 1) * r, at : at + out] = b[slot, 0].to(torch.float32).T * self.scale
             at += out
-        # A free slot may hold a former adapter's weights: zeroed, so it adds nothing (as on vLLM's kernels).
-        if active is not None and len(active) == len(shrink):
-            shrink[~active] = 0
-            expand[~active] = 0
-        return LayerWeights(shrink, expand)
 
 
 def grouped_lora_linear(y: Tensor, x: Tensor, weights: LayerWeights, groups: TokenGroups) -> None:
@@ -124,11 +132,10 @@ def grouped_lora_linear(y: Tensor, x: Tensor, weights: LayerWeights, groups: Tok
     x = x.to(torch.float32)
     cols = weights.expand.shape[-1]
     out = y[:, :cols]
-    if groups.slots:
+    if groups.width:
         rows = torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, groups.source)
-        window = slice(groups.lo, groups.lo + groups.slots)
-        shrunk = torch.bmm(rows.view(groups.slots, groups.width, -1), weights.shrink[window])
-        added = torch.bmm(shrunk, weights.expand[window]).view(-1, cols)
+        shrunk = torch.bmm(rows.view(len(groups.small), groups.width, -1), weights.shrink.index_select(0, groups.small))
+        added = torch.bmm(shrunk, weights.expand.index_select(0, groups.small)).view(-1, cols)
         out.index_add_(0, groups.tokens, added.index_select(0, groups.rows).to(y.dtype))
     for slot, tokens in groups.big:
         added = x.index_select(0, tokens) @ weights.shrink[slot] @ weights.expand[slot]
@@ -141,23 +148,25 @@ def _wrapper_class() -> type:
     class Grouped(PunicaWrapperCPU):
         """vLLM's CPU punica wrapper with ``add_lora_linear`` grouped by adapter.
 
-        Each layer's ``LayerWeights`` are kept until the slots change: vLLM writes an adapter
-        into a slot only when it activates it, and calls ``update_metadata`` (with the slots'
-        adapter ids) before the first step that uses it.
+        Each layer's ``LayerWeights`` are kept, and a slot is combined again when its adapter
+        changes: vLLM writes an adapter into a slot only when it activates it, and calls
+        ``update_metadata`` (with every slot's adapter id) before the first step that uses it.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._groups: TokenGroups | None = None  # made on a step's first LoRA layer
-            self._slots: tuple[int | None, ...] | None = None  # each slot's adapter id, None: free
+            self._slots: list[int | None] | None = None  # each slot's adapter id, None: free
             self._layers: dict[int, LayerWeights] = {}  # by the layer's stacked lora_a
 
         def update_metadata(self, mapping: Any, lora_index_to_id: list[int | None], *args: Any, **kwargs: Any) -> None:
             super().update_metadata(mapping, lora_index_to_id, *args, **kwargs)
             self._groups = None
-            if tuple(lora_index_to_id) != self._slots:
-                self._slots = tuple(lora_index_to_id)
-                self._layers = {}
+            old, self._slots = self._slots, list(lora_index_to_id)
+            changed = [s for s, id_ in enumerate(self._slots) if old is None or old[s] != id_]
+            for layer in self._layers.values():
+                for s in changed:
+                    layer.load(s, self._slots[s] is not None)
 
         def add_lora_linear(
             self,
@@ -183,10 +192,9 @@ def _wrapper_class() -> type:
                 self._groups = TokenGroups.of(indices)
             weights = self._layers.get(id(lora_a_stacked[0]))
             if weights is None:
-                active = None if self._slots is None else torch.tensor([s is not None for s in self._slots])
-                weights = self._layers[id(lora_a_stacked[0])] = LayerWeights.of(
-                    lora_a_stacked, lora_b_stacked, scale, active
-                )
+                weights = self._layers[id(lora_a_stacked[0])] = LayerWeights(lora_a_stacked, lora_b_stacked, scale)
+                for s in range(len(weights.shrink)):  # slots unknown (no update_metadata yet): all taken
+                    weights.load(s, self._slots is None or (s < len(self._slots) and self._slots[s] is not None))
             grouped_lora_linear(flat_y, flat_x, weights, self._groups)
 
     Grouped.__name__ = Grouped.__qualname__ = "GroupedPunicaWrapperCPU"
