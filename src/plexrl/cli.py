@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a silent client's jobs stay suspended for `client.reattach(name)` before they are closed",
     )
     p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a worker may run a call without engine progress before it is declared hung (0: never)",
+    )
+    p.add_argument(
         "--max-calls-per-tenant", type=int, default=20_000, help="calls one key may have queued or running at once"
     )
     p.add_argument(
@@ -218,6 +224,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         keys=args.keys,
         client_timeout_s=args.client_timeout,
         client_grace_s=args.client_grace,
+        hang_timeout_s=args.hang_timeout,
         max_calls_per_tenant=args.max_calls_per_tenant,
         max_bytes_per_tenant=args.max_bytes_per_tenant,
         bind=args.bind,

@@ -51,6 +51,7 @@ class LocalCluster:
         checkpoint_root: str | os.PathLike[str] | None = None,
         client_timeout_s: float | None = None,
         client_grace_s: float | None = None,
+        hang_timeout_s: float | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -75,6 +76,7 @@ class LocalCluster:
         # suspended; suspended this long, they are closed.
         self.client_timeout_s = client_timeout_s
         self.client_grace_s = client_grace_s
+        self.hang_timeout_s = hang_timeout_s  # a worker running a call without progress this long is lost
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -138,6 +140,7 @@ class LocalCluster:
                 "--policy", self.policy,
                 *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
                 *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
+                *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,

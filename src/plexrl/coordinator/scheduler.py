@@ -272,6 +272,11 @@ class Scheduler:
         job = self._jobs.get(job_id)
         return job.state if job else None
 
+    def running_on(self, worker_id: str) -> set[str]:
+        """The kinds of the calls running on the worker (none for a worker it does not know)."""
+        worker = self._workers.get(worker_id)
+        return {self._calls[c].kind for c in worker.running if c in self._calls} if worker else set()
+
     def used_bytes(self, worker_id: str) -> int:
         return self._workers[worker_id].used_bytes
 

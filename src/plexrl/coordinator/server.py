@@ -46,6 +46,11 @@ log = logging.getLogger("plexrl.coordinator")
 TICK_S = 0.1  # how often jobs waiting for device room are re-checked
 PLACEMENTS = ("colocated", "disaggregated")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Calls whose engine work ticks the worker's progress (a decoding step, a row group's forward or
+# backward, an optimizer step): one running with the count standing still means a hung engine.
+# The others (open, save, load, ...) may load models or write files for long stretches: their
+# deadlines bound them.
+PROGRESSING = frozenset({"generate", "logprobs", "forward_backward", "optim_step"})
 _WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
 _CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.Reattach)
 
@@ -57,6 +62,8 @@ class _WorkerRecord:
     info: m.Register
     liveness: Liveness
     calls_done: int = 0
+    progress: int = 0  # its engine's progress count, from its heartbeats
+    progress_at: float = 0.0  # when that count last moved, or the worker was last idle
 
 
 @dataclass
@@ -128,6 +135,9 @@ class CoordinatorConfig:
     client_grace_s: float = 300.0
     max_calls_per_tenant: int = 20_000  # submitted calls queued or running at once; more: TooManyCallsError
     max_bytes_per_tenant: int = 16 << 30  # and the bytes of their messages (batches, prompts)
+    # A worker running a call whose engine makes no progress this long is hung: declared lost.
+    # Longer than any one step of work (a model load, one forward or backward); 0: never.
+    hang_timeout_s: float = 600.0
 
 
 class Coordinator:
@@ -160,6 +170,7 @@ class Coordinator:
         self._pump: Pump | None = None
         self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
         self._peers: dict[bytes, _Peer] = {}  # connection -> its tenant
+        self._hung: set[bytes] = set()  # call sockets of workers declared hung (told to exit)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -257,9 +268,17 @@ class Coordinator:
         interval = self.config.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)
+            now = self._now()
             for rec in list(self._workers.values()):
                 if not rec.liveness.tick():
                     self._lose_worker(rec, f"no heartbeat for {rec.liveness.liveness} intervals of {interval} s")
+                elif not self._scheduler.running_on(rec.worker_id) & PROGRESSING:
+                    rec.progress_at = now  # idle (or loading, saving, ...) is not hung
+                elif 0 < self.config.hang_timeout_s <= now - rec.progress_at:
+                    stalled = f"its engine made no progress for {now - rec.progress_at:.0f} s while running a call"
+                    self._lose_worker(rec, f"hung: {stalled}")
+                    self._hung.add(rec.ident)
+                    self._send(rec.ident, m.Shutdown(reason=f"declared hung: {stalled}", exit=True))
             for ident, live in list(self._clients.items()):
                 if not live.tick():
                     self._lose_client(ident)
@@ -288,9 +307,14 @@ class Coordinator:
             case m.Heartbeat(rid=rid, worker=call_ident) if call_ident:
                 known = self._worker_by_ident.get(call_ident)
                 if known is None:
-                    self._send(ident, m.Shutdown(rid=rid, reason="this worker is not registered here"))
+                    hung = call_ident in self._hung
+                    reason = "declared hung" if hung else "this worker is not registered here"
+                    self._send(ident, m.Shutdown(rid=rid, reason=reason, exit=hung))
                 else:
-                    self._workers[known].liveness.heard()
+                    rec = self._workers[known]
+                    rec.liveness.heard()
+                    if msg.progress != rec.progress:
+                        rec.progress, rec.progress_at = msg.progress, self._now()
                     self._send(ident, m.Heartbeat(rid=rid))
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid))
@@ -334,7 +358,9 @@ class Coordinator:
         if old is not None:  # a worker that lost us and came back: its old state is gone
             self._lose_worker(self._workers[old], "worker re-registered")
         worker_id = f"w{next(self._worker_ids)}"
-        self._workers[worker_id] = _WorkerRecord(ident, worker_id, msg, Liveness(self.config.heartbeat_liveness))
+        self._workers[worker_id] = _WorkerRecord(
+            ident, worker_id, msg, Liveness(self.config.heartbeat_liveness), progress_at=self._now()
+        )
         self._worker_by_ident[ident] = worker_id
         log.info("worker %s registered: %s on %s (pid %d)", worker_id, msg.name, msg.device, msg.pid)
         interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness

@@ -35,9 +35,11 @@ class Heartbeat(Envelope, tag="heartbeat", frozen=True):
     A worker heartbeats from a socket of its own (its call socket is busy while it computes)
     and names its call socket's identity in ``worker``; the coordinator answers a worker it does
     not know with ``Shutdown``, so a worker that was declared lost, or outlived a coordinator
-    restart, registers again."""
+    restart, registers again. ``progress`` is the worker engine's progress count: a worker whose
+    count stands still while it runs a call is hung, not slow."""
 
     worker: bytes = b""
+    progress: int = 0
 
 
 class CallDone(Envelope, tag="call_done", frozen=True):
@@ -47,9 +49,12 @@ class CallDone(Envelope, tag="call_done", frozen=True):
 
 
 class Shutdown(Envelope, tag="shutdown", frozen=True):
-    """The coordinator is going away: fail what is pending now instead of waiting for heartbeats."""
+    """The coordinator is going away: fail what is pending now instead of waiting for heartbeats.
+    To a worker: it is not (or no longer) registered; ``exit``: it was declared hung, so it exits
+    (its engine is wedged: its supervisor starts a fresh one) instead of registering again."""
 
     reason: str
+    exit: bool = False
 
 
 class ErrorReply(Envelope, tag="error", frozen=True):

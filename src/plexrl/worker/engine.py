@@ -35,6 +35,7 @@ from plexrl.protocol.calls import (
 from plexrl.worker import memory
 from plexrl.worker.memory import Moved
 from plexrl.worker.models import ModelCache
+from plexrl.worker.progress import Progress
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.full import FullWeights
@@ -62,6 +63,7 @@ class Engine:
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, Job] = {}
         self._mover = memory.Mover(self.device)
+        self.progress = Progress()  # ticked as calls advance (the heartbeat reports it)
         # Save / load paths: relative to root/<tenant> (a worker's); None: taken as given (in-process use).
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._tenants: dict[str, str] = {}
@@ -88,6 +90,7 @@ class Engine:
         """Move the job's state to ``to`` (``device`` or ``host``); measured. Safe on another thread
         than ``execute`` as long as the job itself has no call running (the scheduler's rule)."""
         job = self._job(job_id)
+        self.progress.tick()
         if to == memory.DEVICE:
             return self._mover.to_device(job)
         if to == memory.HOST:
@@ -154,14 +157,14 @@ class Engine:
             vllm, key = self.vllm_sampler(spec.model), job_id
             vllm.check_rank(spec.lora.rank)
         elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
-            vllm = VllmSampler(spec.model, self.device.type, self.vllm_config, lora=False)
+            vllm = VllmSampler(spec.model, self.device.type, self.vllm_config, lora=False, progress=self.progress)
         hf = vllm is None  # the hf sampler needs a copy of the weights to sample with; vLLM has its own
         weights: Weights = (
             FullWeights(base, sampler_copy=hf)
             if spec.lora is None
             else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
         )
-        job = Job(spec, base, weights, vllm=vllm, key=key)
+        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
         self._jobs[job_id] = job
         return job.opened()
 
@@ -171,5 +174,5 @@ class Engine:
 
         key = os.path.abspath(model)
         if key not in self._vllm:
-            self._vllm[key] = VllmSampler(model, self.device.type, self.vllm_config)
+            self._vllm[key] = VllmSampler(model, self.device.type, self.vllm_config, progress=self.progress)
         return self._vllm[key]

@@ -11,15 +11,18 @@ Paranoid Pirate), because the coordinator that comes back knows none of them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import zmq
@@ -32,6 +35,7 @@ from plexrl.protocol.liveness import Liveness
 
 if TYPE_CHECKING:
     from plexrl.worker.memory import Moved
+    from plexrl.worker.progress import Progress
 
 log = logging.getLogger("plexrl.worker")
 Frames = list[bytes | memoryview]
@@ -42,6 +46,8 @@ VLLM_SLOTS = 64  # calls a vLLM worker accepts at once (generates overlap; other
 
 class CallEngine(Protocol):
     """What the worker needs of an engine (the real one is ``plexrl.worker.engine.Engine``)."""
+
+    progress: Progress  # ticked as its calls advance; the heartbeat reports it
 
     def start(self, job_id: str, call: calls.Call, priority: int = 0) -> Future[calls.Result] | None:
         """Start ``call`` in the background and return its future, or None to run it with
@@ -87,8 +93,27 @@ class WorkerConfig:
     checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
 
 
+EXIT_HUNG = 75  # the exit status of a worker declared hung (EX_TEMPFAIL: a supervisor starts it again)
+
+
 class _CoordinatorLost(Exception):
-    pass
+    def __init__(self, reason: str, exit: bool = False) -> None:
+        super().__init__(reason)
+        self.exit = exit  # declared hung: exit rather than register again
+
+
+def _exit_hung(reason: str) -> None:
+    """Leave at once, engine processes included: the engine is wedged, so closing it could hang too."""
+    children = [
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]  # fmt: skip
+    log.critical("exiting: %s (killing engine processes %s)", reason, children)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(EXIT_HUNG)
 
 
 class Worker:
@@ -140,6 +165,8 @@ class Worker:
                 try:
                     self._session(ctx, engine)
                 except _CoordinatorLost as e:
+                    if e.exit:
+                        _exit_hung(f"the coordinator declared this worker hung ({e})")
                     log.info("coordinator lost (%s): dropping all job state and registering again", e)
                     engine.close()
                     engine = self._new_engine()
@@ -160,7 +187,7 @@ class Worker:
         try:
             reg = self._register(sock)
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
-            beat = _Heartbeat(ctx, self.config, ident, reg)
+            beat = _Heartbeat(ctx, self.config, ident, reg, engine.progress)
             beat.start()
             try:
                 self._serve_calls(sock, engine, beat)
@@ -195,7 +222,7 @@ class Worker:
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stopping.is_set():
             if beat.lost:
-                raise _CoordinatorLost(beat.lost)
+                raise _CoordinatorLost(beat.lost, exit=beat.exit)
             ready = dict(poller.poll(POLL_MS))
             if self._wake_r in ready:
                 self._send_finished(sock)
@@ -214,7 +241,7 @@ class Worker:
             elif isinstance(msg, m.Abort) and msg.rid in self._running:
                 self._running[msg.rid].cancel()  # its done callback sends the CallAbortedError
             elif isinstance(msg, m.Shutdown):
-                raise _CoordinatorLost(msg.reason)
+                raise _CoordinatorLost(msg.reason, exit=msg.exit)
 
     def _execute(self, sock: zmq.Socket[bytes], engine: CallEngine, ex: m.Execute) -> None:
         start = time.perf_counter()
@@ -300,9 +327,12 @@ class _Heartbeat(threading.Thread):
         config: WorkerConfig,
         call_ident: bytes,
         reg: m.Registered,
+        progress: Progress,
     ) -> None:
         super().__init__(name="plexrl-heartbeat", daemon=True)
         self._ctx, self._config, self._call_ident, self._reg = ctx, config, call_ident, reg
+        self._progress = progress
+        self.exit = False  # told to exit (declared hung)
         self._codec: Codec[m.CoordinatorToWorker] = Codec(m.CoordinatorToWorker)
         self._stopping = threading.Event()
         self.lost = ""
@@ -320,14 +350,18 @@ class _Heartbeat(threading.Thread):
         interval, live = self._reg.heartbeat_interval_s, Liveness(self._reg.heartbeat_liveness)
         try:
             while not self._stopping.is_set():
-                sock.send_multipart(self._codec.encode(m.Heartbeat(worker=self._call_ident)), copy=False)
+                beat = m.Heartbeat(worker=self._call_ident, progress=self._progress.value)
+                sock.send_multipart(self._codec.encode(beat), copy=False)
                 deadline = time.monotonic() + interval
                 while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
                     if sock.poll(max(1, min(POLL_MS, int(left * 1000)))):
                         live.heard()
                         msg = self._codec.decode(sock.recv_multipart(copy=False))
                         if isinstance(msg, m.Shutdown):
-                            self.lost = msg.reason
+                            self.lost, self.exit = msg.reason, msg.exit
+                            # The main thread stops the session within a poll, unless a wedged call holds it.
+                            if msg.exit and not self._stopping.wait(interval * live.liveness):
+                                _exit_hung(f"declared hung ({msg.reason}) while a call still runs")
                             return
                 if not live.tick():
                     self.lost = f"no message from the coordinator for {live.liveness} heartbeats"
@@ -338,8 +372,6 @@ class _Heartbeat(threading.Thread):
 
 def run_worker(config: WorkerConfig) -> None:
     """Serve until SIGINT or SIGTERM (the call in progress, if any, finishes first)."""
-    import signal
-
     worker = Worker(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: worker.stop())

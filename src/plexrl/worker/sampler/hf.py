@@ -8,6 +8,7 @@ the trainer's logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,16 @@ def generate(
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
     weight_version: int,
+    tick: Callable[[], None] = lambda: None,
 ) -> Generated:
-    """``params.n`` completions per prompt, in prompt-major order; prompts must be validated."""
-    from transformers import GenerationConfig
+    """``params.n`` completions per prompt, in prompt-major order; prompts must be validated.
+    ``tick`` is called once per decoding step (the worker's progress)."""
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    class Ticking(StoppingCriteria):
+        def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: Any) -> Tensor:
+            tick()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     device = next(model.parameters()).device
     input_ids_B_T, attention_B_T = _pad_left(prompts, pad_token_id, device)
@@ -52,7 +60,12 @@ def generate(
     )
     model.eval()
     with seeded(seed, device), torch.no_grad():
-        out = model.generate(input_ids=input_ids_B_T, attention_mask=attention_B_T, generation_config=config)
+        out = model.generate(
+            input_ids=input_ids_B_T,
+            attention_mask=attention_B_T,
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([Ticking()]),
+        )
         new_B_N = out.sequences[:, input_ids_B_T.shape[1] :]
         logp_B_N = token_logprobs(torch.stack(out.logits, dim=1), new_B_N, 1.0 if greedy else params.temperature)
     if copies > 1:

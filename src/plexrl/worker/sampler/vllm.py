@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
+from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import cpu_lora
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
 
@@ -88,6 +89,23 @@ class _EngineAdapters:
         shutil.rmtree(adapter.path, ignore_errors=True)
 
 
+def _progress_logger(progress: Progress, vllm_config: Any, engine_index: int = 0) -> Any:
+    """A vLLM stat logger (called on each engine step's outputs) that ticks ``progress``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class ProgressLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            progress.tick()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return ProgressLogger(vllm_config, engine_index)
+
+
 def _lora_request(adapter: AdapterVersion) -> Any:
     from vllm.lora.request import LoRARequest
 
@@ -97,8 +115,17 @@ def _lora_request(adapter: AdapterVersion) -> Any:
 class VllmSampler:
     """One base model served by vLLM; thread-safe: every method may be called from any thread."""
 
-    def __init__(self, model_path: str, device: str, config: VllmConfig | None = None, *, lora: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: str,
+        config: VllmConfig | None = None,
+        *,
+        lora: bool = True,
+        progress: Progress | None = None,
+    ) -> None:
         self.model_path = model_path
+        self.progress = progress or Progress()  # ticked on every engine step's outputs
         self.config = config or VllmConfig()
         self.lora = lora
         self._requests = itertools.count()
@@ -163,7 +190,7 @@ class VllmSampler:
             # chunks (it rewinds the request's generator, which CPU generators cannot do).
             enable_chunked_prefill=device != "cpu",
         )
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_progress_logger, self.progress)])
 
     def close(self) -> None:
         """Shut the engine down and free the adapters' RAM."""

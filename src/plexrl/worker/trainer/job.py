@@ -47,6 +47,7 @@ from plexrl.protocol.calls import (
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
 from plexrl.worker.memory import planned_state_bytes
 from plexrl.worker.models import BaseModel
+from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.losses import LossOutput, check_loss_config, compute_loss, token_logprobs
@@ -100,6 +101,7 @@ class Job:
         *,
         vllm: VllmSampler | None = None,
         key: str | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.spec = spec
         self.base = base
@@ -108,6 +110,7 @@ class Job:
         # or (a full fine-tune job, ``key`` None) an engine of its own, which it closes.
         self.vllm = vllm
         self.key = key
+        self.progress = progress or Progress()  # ticked as a call advances: a hung call stops it
         self.optimizer = _new_optimizer(weights, spec.optimizer)
         self.step = 0
         self.weight_version = 0
@@ -162,13 +165,16 @@ class Job:
             stop_token_ids=self.base.stop_token_ids,
             pad_token_id=self.base.pad_token_id,
             weight_version=self.weight_version,
+            tick=self.progress.tick,
         )
 
     def logprobs(self, tokens: Ragged) -> LogprobsResult:
         self.base.check_tokens(tokens, "tokens", min_len=1)
         tokens_B_T, valid_B_T = self._pad_right(tokens)
+        self.progress.tick()
         with torch.no_grad():
             logp_B_T1 = _forward_logp(self.weights.trainer_model(train=False), tokens_B_T, valid_B_T, 1.0)
+        self.progress.tick()
         values = logp_B_T1[valid_B_T[:, 1:]].cpu().numpy().astype(np.float32)
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(tokens.lengths() - 1, out=offsets[1:])
@@ -211,6 +217,7 @@ class Job:
         model = self.weights.trainer_model(train=True)
         outs = []
         for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
+            self.progress.tick()
             logp = _forward_logp(model, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
             sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
             advantages = None if advantages_B is None else advantages_B[r]
@@ -222,6 +229,7 @@ class Job:
                 "Check the batch's sampler_logprobs and advantages"
             )
         out.loss_sum.backward()
+        self.progress.tick()
         self.pending_tokens += out.num_tokens
         metrics = out.metrics if staleness is None else {**out.metrics, **staleness}
         return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=metrics)
@@ -274,6 +282,7 @@ class Job:
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(params, clip, total_norm)
         self.optimizer.step()
+        self.progress.tick()
         self._discard_gradients()
         self.step += 1
         return OptimStepResult(step=self.step, grad_norm=grad_norm)
