@@ -35,6 +35,7 @@ from plexrl.protocol.calls import (
     Opened,
     OptimStep,
     OptimStepResult,
+    Restore,
     Save,
     Saved,
     Synced,
@@ -484,6 +485,49 @@ def test_load_restores_weights_optimizer_step_and_version(tiny_model: Path, tmp_
     train(engine, "j", steps=1)  # equal only if the Adam moments came back too
     assert_same_weights(continued, saved_weights(engine, "j", tmp_path / "again"), atol=1e-6)
     assert generate(engine, "j").weight_version == 2
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_job_restored_elsewhere_from_its_snapshot_and_replay_continues_exactly(
+    tiny_model: Path, tmp_path: Path, kind: str
+) -> None:
+    """What the coordinator does when a job's worker dies: the snapshot of its last optim_step,
+    then its forward_backward and sync_weights calls since, on another engine. The sampler serves
+    the version it served (weights older than the trainer's: it stepped after the last sync), and
+    the next step lands where it would have: Adam moments and pending gradients included."""
+    spec = lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)
+    first, second = Engine(), Engine()
+    first.execute("j", Open(spec, snapshots=True))
+    train(first, "j", steps=1)
+    first.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
+    stepped = run(first, "j", OptimStep(snapshot=True), OptimStepResult)  # stepped past the sync: v1 = step 1
+    assert stepped.snapshot is not None and stepped.snapshot.sampler is not None
+    replay = [ForwardBackward(ce_batch([[1, 5, 6, 7, 8]]), loss="cross_entropy"), SyncWeights()]
+    served = generate(first, "j", seed=4)
+    for call in replay:
+        first.execute("j", call)
+    restored = run(second, "j", Restore(Open(spec, snapshots=True), stepped.snapshot, replay), Opened)
+    assert restored.weight_version == 2
+    # Before the replay's sync, the restored sampler served what the original's did.
+    again = Engine()
+    run(again, "j", Restore(Open(spec, snapshots=True), stepped.snapshot, []), Opened)
+    assert rows(generate(again, "j", seed=4).tokens) == rows(served.tokens)
+    for engine in (first, second):
+        engine.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
+        assert run(engine, "j", OptimStep(), OptimStepResult).step == 3
+    assert_same_weights(saved_weights(first, "j", tmp_path / "a"), saved_weights(second, "j", tmp_path / "b"))
+    assert rows(generate(first, "j", seed=5).logprobs) == rows(generate(second, "j", seed=5).logprobs)
+
+
+def test_a_restore_that_fails_leaves_no_job_behind(engine: Engine, tiny_model: Path) -> None:
+    other = Engine()
+    other.execute("j", Open(lora_spec(tiny_model, rank=8), snapshots=True))
+    other.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
+    snap = run(other, "j", OptimStep(snapshot=True), OptimStepResult).snapshot
+    with pytest.raises(CallFailedError, match="does not fit"):
+        engine.execute("j", Restore(Open(lora_spec(tiny_model, rank=4), snapshots=True), snap))
+    with pytest.raises(UnknownJobError):
+        engine.execute("j", SyncWeights())
 
 
 def test_save_writes_the_manifest_last_then_renames_into_place(

@@ -34,6 +34,20 @@ class Open(msgspec.Struct, tag="open", frozen=True):
     spec: JobSpec
     replica: bool = False
     tenant: str = ""  # whose job: names its checkpoint folder on the worker (set by the coordinator)
+    # Set by the coordinator for jobs it can recover: the worker keeps a host copy of what the
+    # sampler serves, for the snapshots its optim_steps return.
+    snapshots: bool = False
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """A job's whole state on its worker right after an optimizer step (or a load): what a
+    ``Restore`` on another worker rebuilds it from, kept by the coordinator."""
+
+    step: int  # optimizer steps applied
+    weight_version: int  # the version the sampler serves
+    trainer: dict[str, np.ndarray]  # the trainer's weights
+    optimizer: bytes  # its optimizer's state_dict, torch.save'd (read back with weights_only=True)
+    sampler: dict[str, np.ndarray] | None = None  # what the sampler serves; None: the trainer's weights
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -54,7 +68,7 @@ class ForwardBackward(msgspec.Struct, tag="forward_backward", frozen=True):
 
 
 class OptimStep(msgspec.Struct, tag="optim_step", frozen=True):
-    pass
+    snapshot: bool = False  # also return the job's Snapshot after the step (set by the coordinator)
 
 
 class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
@@ -78,13 +92,27 @@ class Save(msgspec.Struct, tag="save", frozen=True):
 class Load(msgspec.Struct, tag="load", frozen=True):
     path: str
     export: bool = False  # also return the loaded weights (for a disaggregated job's sampler worker)
+    snapshot: bool = False  # also return the job's Snapshot after the load (set by the coordinator)
 
 
 class Close(msgspec.Struct, tag="close", frozen=True):
     """Free the job's state on its worker (the last call of every job)."""
 
 
-Call = Open | Generate | Logprobs | ForwardBackward | OptimStep | SyncWeights | SetWeights | Save | Load | Close
+class Restore(msgspec.Struct, tag="restore", frozen=True):
+    """Rebuild a job whose worker was lost, on a new one (sent by the coordinator): open it, set
+    its state to ``snapshot`` (None: as it opened), then run ``replay``, the job's
+    ``forward_backward`` and ``sync_weights`` calls since that snapshot, in order. Answered with
+    ``Opened``."""
+
+    open: Open
+    snapshot: Snapshot | None
+    replay: list[ForwardBackward | SyncWeights] = []
+
+
+Call = (
+    Open | Generate | Logprobs | ForwardBackward | OptimStep | SyncWeights | SetWeights | Save | Load | Close | Restore
+)
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -135,6 +163,7 @@ class ForwardBackwardResult(msgspec.Struct, tag="forward_backward_result", froze
 class OptimStepResult(msgspec.Struct, tag="optim_step_result", frozen=True):
     step: int  # optimizer steps applied so far
     grad_norm: float
+    snapshot: Snapshot | None = None  # with OptimStep(snapshot=True) only (the coordinator keeps it)
 
 
 class Synced(msgspec.Struct, tag="synced", frozen=True):
@@ -153,6 +182,7 @@ class Loaded(msgspec.Struct, tag="loaded", frozen=True):
     weight_version: int
     step: int
     tensors: dict[str, np.ndarray] | None = None  # with Load(export=True) only
+    snapshot: Snapshot | None = None  # with Load(snapshot=True) only (the coordinator keeps it)
 
 
 class Closed(msgspec.Struct, tag="closed", frozen=True):
@@ -165,5 +195,5 @@ Result = (
 
 CALL_KIND: dict[type, str] = {
     t: str(t.__struct_config__.tag)
-    for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, SetWeights, Save, Load, Close)
+    for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, SetWeights, Save, Load, Close, Restore)
 }

@@ -27,6 +27,7 @@ from plexrl.protocol.calls import (
     Open,
     Opened,
     OptimStep,
+    Restore,
     Result,
     Save,
     SetWeights,
@@ -99,9 +100,16 @@ class Engine:
 
     def execute(self, job_id: str, call: Call) -> Result:
         if isinstance(call, Open):
-            opened = self._open(job_id, call.spec)
-            self._tenants[job_id] = call.tenant or SHARED
-            return opened
+            return self._open(job_id, call)
+        if isinstance(call, Restore):
+            self._open(job_id, call.open)
+            try:
+                self._jobs[job_id].restore(call.snapshot, call.replay)
+            except BaseException:
+                self._jobs.pop(job_id).close()  # nothing half-restored stays behind
+                self._tenants.pop(job_id, None)
+                raise
+            return self._jobs[job_id].opened()
         job = self._job(job_id)
         if not isinstance(call, Close):  # closing frees the state wherever it is
             self._resident(job, job_id, call)
@@ -112,16 +120,16 @@ class Engine:
                 return job.logprobs(tokens)
             case ForwardBackward(batch=batch, loss=loss, loss_config=config):
                 return job.forward_backward(batch, loss, config)
-            case OptimStep():
-                return job.optim_step()
+            case OptimStep(snapshot=snapshot):
+                return job.optim_step(snapshot)
             case SyncWeights(export=export):
                 return job.sync_weights(export)
             case SetWeights(weight_version=version, tensors=tensors):
                 return job.set_weights(version, tensors)
             case Save(path=path):
                 return job.save(self._checkpoint_path(job_id, path))
-            case Load(path=path, export=export):
-                return job.load(self._checkpoint_path(job_id, path), export)
+            case Load(path=path, export=export, snapshot=snapshot):
+                return job.load(self._checkpoint_path(job_id, path), export, snapshot)
             case Close():
                 del self._jobs[job_id]
                 self._tenants.pop(job_id, None)
@@ -147,7 +155,8 @@ class Engine:
             raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
         return job
 
-    def _open(self, job_id: str, spec: JobSpec) -> Opened:
+    def _open(self, job_id: str, call: Open) -> Opened:
+        spec = call.spec
         if job_id in self._jobs:
             raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
         check_spec(spec)
@@ -164,8 +173,9 @@ class Engine:
             if spec.lora is None
             else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
         )
-        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
+        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress, snapshots=call.snapshots)
         self._jobs[job_id] = job
+        self._tenants[job_id] = call.tenant or SHARED
         return job.opened()
 
     def vllm_sampler(self, model: str) -> VllmSampler:

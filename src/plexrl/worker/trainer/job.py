@@ -16,6 +16,7 @@ long tail does not make every short row compute at the longest row's length.
 
 from __future__ import annotations
 
+import io
 import math
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,6 +35,7 @@ from plexrl.errors import (
 )
 from plexrl.protocol.calls import (
     Closed,
+    ForwardBackward,
     ForwardBackwardResult,
     Generated,
     JobSpec,
@@ -42,7 +44,9 @@ from plexrl.protocol.calls import (
     Opened,
     OptimStepResult,
     Saved,
+    Snapshot,
     Synced,
+    SyncWeights,
 )
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
 from plexrl.worker.memory import planned_state_bytes
@@ -102,6 +106,7 @@ class Job:
         vllm: VllmSampler | None = None,
         key: str | None = None,
         progress: Progress | None = None,
+        snapshots: bool = False,
     ) -> None:
         self.spec = spec
         self.base = base
@@ -116,13 +121,17 @@ class Job:
         self.weight_version = 0
         self.generate_calls = 0
         self.pending_tokens = 0  # completion tokens whose gradients await optim_step
+        # What the sampler serves: the trainer's weights as of step ``_published_step``, and (for a
+        # job that takes snapshots) a host copy of them, since the trainer may step on before a sync.
+        self._published_step = 0
+        self._published: dict[str, Tensor] | None = {} if snapshots else None
         self.host_state: dict[str, Tensor] | None = None  # set while the state is in the host store
         self._publish(weights.trainer_params, initial=True)
 
     def opened(self) -> Opened:
         trainable = sum(p.numel() for p in self.weights.trainer_params.values())
         return Opened(
-            weight_version=0,
+            weight_version=self.weight_version,
             trainable_params=trainable,
             total_params=self.weights.total_params,
             state_bytes=planned_state_bytes(self),
@@ -262,7 +271,7 @@ class Job:
             )
         return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
-    def optim_step(self) -> OptimStepResult:
+    def optim_step(self, snapshot: bool = False) -> OptimStepResult:
         if self.pending_tokens == 0:
             raise CallFailedError("optim_step with no accumulated gradients: call forward_backward first")
         params = [p for p in self.weights.trainer_params.values() if p.grad is not None]
@@ -285,11 +294,12 @@ class Job:
         self.progress.tick()
         self._discard_gradients()
         self.step += 1
-        return OptimStepResult(step=self.step, grad_norm=grad_norm)
+        return OptimStepResult(step=self.step, grad_norm=grad_norm, snapshot=self.snapshot() if snapshot else None)
 
     def sync_weights(self, export: bool = False) -> Synced:
         self.weight_version += 1
         self._publish(self.weights.trainer_params)
+        self._published_step = self.step
         return Synced(weight_version=self.weight_version, tensors=self._export() if export else None)
 
     def _export(self) -> dict[str, np.ndarray]:
@@ -308,6 +318,7 @@ class Job:
         device = next(iter(params.values())).device
         self.weight_version = version
         self._publish({k: torch.from_numpy(np.asarray(t)).to(device) for k, t in tensors.items()})
+        self._published_step = -1
         return Synced(weight_version=version)
 
     def save(self, path: str) -> Saved:
@@ -322,7 +333,7 @@ class Job:
         checkpoint.write(path, tensors, self.optimizer.state_dict(), manifest)
         return Saved(path=path, weight_version=self.weight_version, step=self.step)
 
-    def load(self, path: str, export: bool = False) -> Loaded:
+    def load(self, path: str, export: bool = False, snapshot: bool = False) -> Loaded:
         """Restore a checkpoint into trainer and sampler; checks everything before changing anything.
 
         Accumulated gradients are discarded; the optimizer keeps this job's spec hyperparameters.
@@ -331,37 +342,86 @@ class Job:
         kind = ckpt.manifest["kind"]
         if kind != self.weights.kind:
             raise CallFailedError(f"{path!r} holds a {kind} checkpoint but this job is {self.weights.kind}")
+        step, version = ckpt.manifest["step"], ckpt.manifest["weight_version"]
+        self._set_state(ckpt.tensors, ckpt.optimizer_state, step, version, f"{path!r}")
+        self._publish(self.weights.trainer_params)  # with vLLM, this can still fail (the engine died): the call fails
+        self._published_step = step
+        tensors = self._export() if export else None
+        snap = self.snapshot() if snapshot else None
+        return Loaded(path=path, weight_version=version, step=step, tensors=tensors, snapshot=snap)
+
+    def snapshot(self) -> Snapshot:
+        """The job's state for a ``Restore`` elsewhere (the job must be opened with ``snapshots``)."""
+        buffer = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buffer)
+        sampler = None
+        if self._published_step != self.step:  # stepped since the last sync: the sampler serves older weights
+            if self._published is None:
+                raise CallFailedError("this job keeps no copy of its sampler's weights: open it with snapshots")
+            sampler = {k: t.numpy() for k, t in self._published.items()}
+        return Snapshot(
+            step=self.step,
+            weight_version=self.weight_version,
+            trainer=self._export(),
+            optimizer=buffer.getvalue(),
+            sampler=sampler,
+        )
+
+    def restore(self, snapshot: Snapshot | None, replay: list[ForwardBackward | SyncWeights]) -> None:
+        """Become the job ``snapshot`` describes (None: as opened), then run ``replay`` in order."""
+        if snapshot is not None:
+            try:
+                optimizer_state = torch.load(io.BytesIO(snapshot.optimizer), map_location="cpu", weights_only=True)
+            except Exception as e:  # torch.load raises several unrelated types on bad bytes
+                raise CallFailedError(f"the snapshot's optimizer state is unreadable ({e})") from e
+            tensors = {k: torch.from_numpy(np.asarray(t)) for k, t in snapshot.trainer.items()}
+            self._set_state(tensors, optimizer_state, snapshot.step, snapshot.weight_version, "the snapshot")
+            served = snapshot.sampler
+            if served is None:
+                self._publish(self.weights.trainer_params)
+            else:
+                self._publish({k: torch.from_numpy(np.asarray(t)) for k, t in served.items()})
+            self._published_step = self.step if served is None else -1
+        for call in replay:
+            match call:
+                case ForwardBackward(batch=batch, loss=loss, loss_config=config):
+                    self.forward_backward(batch, loss, config)
+                case SyncWeights():
+                    self.sync_weights()
+
+    def _set_state(
+        self, tensors: dict[str, Tensor], optimizer_state: dict[str, Any], step: int, version: int, source: str
+    ) -> None:
+        """Take trainer weights, optimizer state and counters from ``source`` (a checkpoint or a
+        snapshot); checks everything before changing anything."""
         params = self.weights.trainer_params
-        mismatched = sorted(set(ckpt.tensors) ^ set(params)) + [
-            k for k, t in ckpt.tensors.items() if k in params and t.shape != params[k].shape
+        mismatched = sorted(set(tensors) ^ set(params)) + [
+            k for k, t in tensors.items() if k in params and t.shape != params[k].shape
         ]
         if mismatched:
             raise CallFailedError(
-                f"{path!r} does not fit this job's weights (e.g. {mismatched[:3]}); "
+                f"{source} does not fit this job's weights (e.g. {mismatched[:3]}); "
                 "open the job with the spec it was saved with (same model and LoRA rank/targets)"
             )
         optimizer = _new_optimizer(self.weights, self.spec.optimizer)
         try:
-            optimizer.load_state_dict(ckpt.optimizer_state)
+            optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise CallFailedError(f"{path!r}: the optimizer state does not fit this job ({e})") from e
+            raise CallFailedError(f"{source}: the optimizer state does not fit this job ({e})") from e
         for p in params.values():
             for name, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, Tensor) and value.ndim > 0 and value.shape != p.shape:
-                    raise CallFailedError(f"{path!r}: optimizer state {name!r} has shape {tuple(value.shape)}")
+                    raise CallFailedError(f"{source}: optimizer state {name!r} has shape {tuple(value.shape)}")
         for group in optimizer.param_groups:
             group.update(_optimizer_settings(self.spec.optimizer))
         # Everything is checked: from here on nothing can fail half-way.
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(ckpt.tensors[k])
+                p.copy_(tensors[k])
         self._discard_gradients()
         self.optimizer = optimizer
-        self.step = ckpt.manifest["step"]
-        self.weight_version = ckpt.manifest["weight_version"]
-        self._publish(params)  # with vLLM, this one can still fail (the engine died): the call then fails
-        tensors = self._export() if export else None
-        return Loaded(path=path, weight_version=self.weight_version, step=self.step, tensors=tensors)
+        self.step = step
+        self.weight_version = version
 
     def close(self) -> Closed:
         self._discard_gradients()
@@ -374,7 +434,10 @@ class Job:
         return Closed()
 
     def _publish(self, tensors: dict[str, nn.Parameter] | dict[str, Tensor], initial: bool = False) -> None:
-        """Make the sampler serve ``tensors`` as version ``weight_version``."""
+        """Make the sampler serve ``tensors`` as version ``weight_version`` (the caller sets
+        ``_published_step``: the step whose trainer weights they are, -1 for other weights)."""
+        if self._published is not None:
+            self._published = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
         if self.vllm is not None and self.key is not None:
             self.vllm.set_adapter(self.key, self.weight_version, dict(tensors), self.weights.adapter_config())
             return
