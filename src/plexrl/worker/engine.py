@@ -21,7 +21,6 @@ from plexrl.protocol.calls import (
     Close,
     ForwardBackward,
     Generate,
-    JobSpec,
     Load,
     Logprobs,
     Open,
