@@ -16,8 +16,10 @@ from plexrl.coordinator.scheduler import (
     Fail,
     JobClosed,
     JobOpened,
+    JobLost,
     JobSized,
     Place,
+    Recover,
     Scheduler,
     Swap,
     SwapDone,
@@ -175,6 +177,33 @@ def test_losing_a_worker_fails_its_running_and_queued_calls_and_later_ones() -> 
     assert s.handle(CallFinished(1), 2.0) == []  # a late answer from the dead worker is ignored
     assert s.handle(CallFinished(3), 2.0) == []  # job b on w1 is unaffected
     assert s.handle(CallSubmitted(5, "b", "generate"), 2.0) == [Dispatch(5, "w1")]
+
+
+def test_a_recoverable_job_moves_to_another_worker_and_runs_its_restore_before_anything_else() -> None:
+    s = Scheduler()
+    for e in [WorkerJoined("w0", slots=2), WorkerJoined("w1", slots=2), JobOpened("a"), JobOpened("b")]:
+        s.handle(e, 0.0)
+    s.handle(JobSized("a", 0, recoverable=True), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "a", "generate"), 0.0) == [Dispatch(2, "w0")]
+    assert s.handle(CallSubmitted(3, "a", "optim_step"), 0.0) == []
+    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1")]  # nothing failed, nothing started
+    assert s.handle(CallSubmitted(4, "a", "restore", front=True), 1.0) == [Dispatch(4, "w1")]
+    assert s.handle(CallSubmitted(5, "a", "generate"), 1.0) == []  # behind the restore, like everything
+    assert s.handle(CallFinished(4), 2.0) == [Dispatch(1, "w1"), Dispatch(2, "w1")]  # back in their order
+    assert s.handle(CallFinished(2), 2.0) == [Dispatch(5, "w1")]
+    assert s.handle(CallFinished(1), 3.0) == [Dispatch(3, "w1")]
+    # Its new home lost as well: the next one; with none left, it is lost.
+    s.handle(WorkerJoined("w2"), 3.0)
+    assert s.handle(WorkerLost("w1", "test"), 4.0) == [Recover("a", "w2")]
+    assert s.handle(CallSubmitted(6, "a", "restore", front=True), 4.0) == [Dispatch(6, "w2")]
+    lost = s.handle(WorkerLost("w2", "test"), 5.0)
+    assert [(a.call_id, type(a.error)) for a in lost if isinstance(a, Fail)] == [
+        (3, WorkerLostError),
+        (5, WorkerLostError),
+        (6, WorkerLostError),
+    ]
+    assert all("no worker can take it over" in str(a.error) for a in lost if isinstance(a, Fail))
 
 
 def test_new_jobs_avoid_a_lost_worker_and_closed_jobs_free_their_place() -> None:
@@ -363,6 +392,7 @@ def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) 
 UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
 BPS = UNIT / 10  # a unit moves in 10 s: break-even gaps of 20-40 s, near the gaps these sequences make
 KINDS = ("generate", "generate", "generate", "forward_backward", "optim_step", "sync_weights", "load")
+BARRIER_KINDS = ("sync_weights", "load", "restore")
 _submit, _finish, _moved = (
     st.tuples(st.just("submit"), st.integers(0, 10 * len(KINDS) - 1)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
@@ -370,7 +400,7 @@ _submit, _finish, _moved = (
 )
 op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
     st.tuples(st.just("join"), st.integers(1, 3)),
-    st.tuples(st.just("open"), st.integers(0, 5)),  # size 0-2 units; 3-5: disaggregated
+    st.tuples(st.just("open"), st.integers(0, 11)),  # size 0-2 units; 3-5: disaggregated; 6-11: recoverable
     _submit,
     _submit,
     _submit,
@@ -408,7 +438,19 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     submitted: dict[str, list[int]] = {}
     kinds: dict[int, str] = {}  # call -> kind
     samplers: dict[str, str] = {}  # job -> the worker its generates run on
+    seq: dict[int, int] = {}  # call -> its place in its job's order (a restore goes first)
+    recoverable: set[str] = set()
+    recovering: list[str] = []  # jobs the server owes a restore call (it submits one on Recover)
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
+
+    def submit(job: str, kind: str, priority: int = 0, front: bool = False) -> None:
+        nonlocal next_call
+        c = next_call
+        next_call += 1
+        submitted[job].append(c)
+        kinds[c] = kind
+        seq[c] = -c if front else c
+        check(s.handle(CallSubmitted(c, job, kind, priority=priority, front=front), t))
 
     def check(actions: list) -> None:
         for a in actions:
@@ -422,21 +464,36 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 fits = device.get(a.worker_id, 0) + sizes[a.job_id] <= workers[a.worker_id][1]
                 resident[a.job_id] = fits
                 device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
+            elif isinstance(a, Recover):
+                assert a.job_id in recoverable and a.worker_id in workers and a.worker_id != homes[a.job_id]
+                homes[a.job_id] = samplers[a.job_id] = a.worker_id
+                resident[a.job_id] = False  # its restore makes the state there
+                pending = [
+                    c for c in submitted[a.job_id] if kinds[c] == "restore" and (c not in outcome or c in running)
+                ]
+                assert a.restore == (not pending), "one restore at a time"
+                for c in [c for c, (j, w) in running.items() if j == a.job_id and w not in workers]:
+                    del running[c], outcome[c]  # queued again, for its new home
+                if a.restore:  # as the server does
+                    recovering.append(a.job_id)
             elif isinstance(a, Dispatch):
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
                 kind = kinds[a.call_id]
-                assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once"
+                assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once (per home)"
                 on_home = kind != "generate" or samplers[job] == homes[job]
                 assert a.worker_id == (homes[job] if on_home else samplers[job]), "affinity: each lane on its worker"
+                if kind == "restore":  # it makes the state on the device, in room the scheduler kept for it
+                    resident[job] = True
+                    device[a.worker_id] = device.get(a.worker_id, 0) + sizes[job]
                 assert resident[job] or not on_home, "a call on the home worker runs only with the state there"
-                earlier = [c for c in submitted[job] if c < a.call_id]
+                earlier = [c for c in submitted[job] if seq[c] < seq[a.call_id]]
                 settled = [c in outcome and c not in running for c in earlier]
-                if kind in ("sync_weights", "load"):
+                if kind in BARRIER_KINDS:
                     assert all(settled), "a barrier waits for every earlier call of its job"
                 else:
-                    assert all(
-                        ok for c, ok in zip(earlier, settled, strict=True) if kinds[c] in ("sync_weights", "load")
-                    ), "no call passes an unfinished barrier"
+                    assert all(ok for c, ok in zip(earlier, settled, strict=True) if kinds[c] in BARRIER_KINDS), (
+                        "no call passes an unfinished barrier"
+                    )
                 if kind != "generate":
                     others = [c for c, (j, _) in running.items() if j == job and kinds[c] != "generate"]
                     assert not others, "one trainer-lane call per job at a time"
@@ -485,21 +542,23 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             j = f"j{n_jobs}"
             n_jobs += 1
             submitted[j], sizes[j] = [], (arg % 3) * UNIT
-            check(s.handle(JobOpened(j, sizes[j], disaggregated=arg >= 3), t))
+            check(s.handle(JobOpened(j, sizes[j], disaggregated=3 <= arg < 6), t))
+            if arg >= 6 and j in homes:  # its open reported a snapshot-taking job
+                recoverable.add(j)
+                check(s.handle(JobSized(j, sizes[j], recoverable=True), t))
         elif kind == "submit" and submitted:
             j = sorted(submitted)[arg % len(submitted)]
             if j not in homes:
                 continue
-            submitted[j].append(next_call)
-            kinds[next_call] = KINDS[arg // 10]
-            check(s.handle(CallSubmitted(next_call, j, kinds[next_call], priority=arg % 2), t))
-            next_call += 1
+            submit(j, KINDS[arg // 10], priority=arg % 2)
         elif kind == "finish" and running:
             c = sorted(running)[arg % len(running)]
             del running[c]
             check(s.handle(CallFinished(c), t))
         elif kind == "cancel" and next_call > 1:
             c = 1 + arg % (next_call - 1)
+            if kinds[c] == "restore":
+                continue  # the server's own call: no client can cancel it
             if c not in outcome:  # still queued: it leaves its queue for good
                 outcome[c] = "cancelled"
             check(s.handle(CallCancelled(c), t))  # running, finished or failed: no effect
@@ -521,7 +580,10 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             del workers[w]
             moving.pop(w, None)
             check(s.handle(WorkerLost(w, "test"), t))
-            assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed"
+            assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed or queued again"
+            while recovering:
+                j = recovering.pop(0)
+                submit(j, "restore", front=True)
 
     # Progress: with the remaining workers alive, finishing what runs, completing transfers and
     # letting time pass (ticks) settles every submitted call of a placed job within a bound.

@@ -14,11 +14,13 @@ Invariants it keeps, whatever the policy:
 - a worker runs at most ``slots`` calls at once, of them at most ``trainer_slots`` other than
   generates (a worker's trainer runs one call at a time, so the order of those is the policy's);
 - every submitted call ends in exactly one ``Dispatch`` followed by the server's
-  ``CallFinished``, or in one ``Fail``.
+  ``CallFinished``, or in one ``Fail``; a recoverable job's calls running on a lost worker go back
+  to the front of their queues (dispatched again on its new home, after a ``restore``).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -61,6 +63,15 @@ class JobSized:
 
     job_id: str
     state_bytes: int
+    recoverable: bool = False  # the server keeps what rebuilds it elsewhere (a snapshot, the calls since)
+
+
+@dataclass(frozen=True, slots=True)
+class JobLost:
+    """The job cannot go on (its restore failed): fail its calls, as if its worker were lost."""
+
+    job_id: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,7 @@ class CallSubmitted:
     job_id: str
     kind: str  # "generate", "forward_backward", ...
     priority: int = 0  # generates: lower is admitted first (frontier groups)
+    front: bool = False  # ahead of every unfinished call of the job (a ``restore``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,7 @@ Event = (
     | WorkerLost
     | JobOpened
     | JobSized
+    | JobLost
     | JobClosed
     | CallSubmitted
     | CallFinished
@@ -128,6 +141,17 @@ class Place:
     job_id: str
     worker_id: str
     sampler_id: str = ""  # "" for a colocated job (its home)
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    """The job's home was lost and the job lives on, on ``worker_id``: its state is rebuilt there
+    by a ``restore`` call, which the server submits (``front=True``) when ``restore`` is set (it is
+    not when one is already pending). Its calls that were running there are queued again."""
+
+    job_id: str
+    worker_id: str
+    restore: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +180,7 @@ class Swap:
     state_bytes: int
 
 
-Action = Place | Dispatch | Fail | Swap
+Action = Place | Recover | Dispatch | Fail | Swap
 
 # -- state -------------------------------------------------------------------------------------
 
@@ -184,7 +208,8 @@ class _Worker:
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
-BARRIERS = frozenset({"open", "close", "sync_weights", "load"})
+BARRIERS = frozenset({"open", "close", "sync_weights", "load", "restore"})
+MAKES_STATE = frozenset({"open", "restore"})  # they create the job's state: they need room, not a transfer
 
 
 def lane_of(kind: str) -> str:
@@ -205,6 +230,9 @@ class _Job:
     unfinished: set[int] = field(default_factory=set)  # queued or running calls
     lost: str | None = None  # why the job's state is gone
     closing: bool = False  # its close is submitted: its state is freed, never moved, from then on
+    recoverable: bool = False  # rebuilt on another worker when its home is lost (colocated jobs only)
+    rebuilding: bool = False  # re-homed, its restore not yet started: nothing else of it may start
+    first_seq: int = 0  # the lowest order key given so far (front calls go below it)
 
     def lanes_on(self, worker_id: str) -> list[str]:
         return [lane for lane in (TRAINER, SAMPLER) if (self.home if lane == TRAINER else self.sampler) == worker_id]
@@ -219,6 +247,7 @@ class _Call:
     job_id: str
     kind: str
     priority: int = 0
+    seq: int = 0  # its place in its job's order: the call id, or below every other for a front call
 
     @property
     def lane(self) -> str:
@@ -290,8 +319,8 @@ class Scheduler:
         actions: list[Action] = []
         touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
         match event:  # the frequent events first
-            case CallSubmitted(call_id, job_id, kind, priority):
-                call = _Call(call_id, job_id, kind, priority)
+            case CallSubmitted(call_id, job_id, kind, priority, front):
+                call = self._new_call(call_id, job_id, kind, priority, front)
                 actions += self._submit(call, now)
                 touched = self._lane_worker(call)
             case CallFinished(call_id):
@@ -311,8 +340,14 @@ class Scheduler:
                 actions += self._lose_worker(worker_id, reason, now)
             case JobOpened(job_id, state_bytes, weight, base, disaggregated):
                 actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
-            case JobSized(job_id, state_bytes):
+            case JobSized(job_id, state_bytes, recoverable):
+                if job_id in self._jobs:
+                    self._jobs[job_id].recoverable = recoverable
                 touched = self._resize(job_id, state_bytes)
+            case JobLost(job_id, reason):
+                job = self._jobs.get(job_id)
+                if job is not None:
+                    actions += self._lose_job(job, reason, now)
             case JobClosed(job_id):
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
@@ -340,33 +375,10 @@ class Scheduler:
     def _place(
         self, job_id: str, state_bytes: int, weight: float, base: str, disaggregated: bool, now: float
     ) -> list[Action]:
-        if not self._workers:
-            err = NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
-            return [Fail(job_id, None, err)]
-        if disaggregated and len(self._workers) < 2:
-            err = NoWorkersError(
-                "a disaggregated job needs two workers (trainer and sampler): start another worker, "
-                "or open the job colocated"
-            )
-            return [Fail(job_id, None, err)]
-        fitting = [w for w in self._workers.values() if state_bytes <= w.memory_bytes]
-        if not fitting:
-            most = max(w.memory_bytes for w in self._workers.values())
-            err = NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
-            return [Fail(job_id, None, err)]
-        if self.policy == "dedicated":  # a worker of its own (two for a disaggregated job)
-            fitting = [w for w in fitting if not w.jobs and not w.samplers]
-            free = len([w for w in self._workers.values() if not w.jobs and not w.samplers])
-            if not fitting or (disaggregated and free < 2):
-                err = NoWorkersError(
-                    "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
-                    "workers are free: add a worker, close a job, or use a multiplexing policy"
-                )
-                return [Fail(job_id, None, err)]
-        if self.policy == "plex":
-            worker = self._pack(fitting, state_bytes, base, now)
-        else:  # fewest jobs first; ties go to the worker that joined first (dicts keep insertion order)
-            worker = min(fitting, key=lambda w: len(w.jobs))
+        chosen = self._choose(state_bytes, base, disaggregated, now)
+        if isinstance(chosen, NoWorkersError):
+            return [Fail(job_id, None, chosen)]
+        worker = chosen
         worker.jobs.add(job_id)
         # A new job's state starts on the device if it fits there, else in host memory.
         fits = worker.used_bytes + state_bytes <= worker.memory_bytes
@@ -385,6 +397,31 @@ class Scheduler:
             worker.used_bytes += state_bytes
         self.ledger.job_opened(job_id, now)
         return [Place(job_id, worker.worker_id, sampler.worker_id if disaggregated else "")]
+
+    def _choose(self, state_bytes: int, base: str, disaggregated: bool, now: float) -> _Worker | NoWorkersError:
+        """The home worker for a job (new, or one whose home was lost), or why there is none."""
+        if not self._workers:
+            return NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
+        if disaggregated and len(self._workers) < 2:
+            return NoWorkersError(
+                "a disaggregated job needs two workers (trainer and sampler): start another worker, "
+                "or open the job colocated"
+            )
+        fitting = [w for w in self._workers.values() if state_bytes <= w.memory_bytes]
+        if not fitting:
+            most = max(w.memory_bytes for w in self._workers.values())
+            return NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
+        if self.policy == "dedicated":  # a worker of its own (two for a disaggregated job)
+            fitting = [w for w in fitting if not w.jobs and not w.samplers]
+            free = len([w for w in self._workers.values() if not w.jobs and not w.samplers])
+            if not fitting or (disaggregated and free < 2):
+                return NoWorkersError(
+                    "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
+                    "workers are free: add a worker, close a job, or use a multiplexing policy"
+                )
+        if self.policy == "plex":
+            return self._pack(fitting, state_bytes, base, now)
+        return min(fitting, key=lambda w: len(w.jobs))  # fewest jobs; ties: the worker that joined first
 
     def _pack(self, fitting: list[_Worker], state_bytes: int, base: str, now: float) -> _Worker:
         """Plex placement: fill devices instead of spreading jobs thin, and keep a base model's jobs
@@ -424,6 +461,16 @@ class Scheduler:
         job.state.state_bytes = state_bytes
         return job.home
 
+    def _new_call(self, call_id: int, job_id: str, kind: str, priority: int, front: bool) -> _Call:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"call {call_id} for unplaced job {job_id}")
+        seq = call_id
+        if front:
+            job.first_seq -= 1
+            seq = job.first_seq
+        return _Call(call_id, job_id, kind, priority, seq)
+
     def _submit(self, call: _Call, now: float) -> list[Action]:
         job = self._jobs.get(call.job_id)
         if job is None:
@@ -433,7 +480,7 @@ class Scheduler:
         self._calls[call.call_id] = call
         if not job.unfinished and job.state.last_done_s is not None:
             job.state.observe_gap(now - job.state.last_done_s)  # it was idle since its last call
-        job.queues[call.lane].append(call.call_id)
+        self._enqueue(job, call)
         job.unfinished.add(call.call_id)
         if call.kind in BARRIERS:
             job.barriers.add(call.call_id)
@@ -478,6 +525,10 @@ class Scheduler:
             job.barriers.discard(call_id)
             del self._calls[call_id]
 
+    def _enqueue(self, job: _Job, call: _Call) -> None:
+        """Into its lane's queue, which stays in the job's order (a front call goes first)."""
+        bisect.insort(job.queues[call.lane], call.call_id, key=lambda c: self._calls[c].seq)
+
     def _lose_worker(self, worker_id: str, reason: str, now: float) -> list[Action]:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
@@ -485,30 +536,61 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
-        freed: set[str] = set()  # surviving workers where a lost job's calls held slots
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
-            job.lost = (
-                f"worker {worker_id} holding job {job_id}'s state was lost ({reason}); its unsaved "
-                "training state is gone: open the job again and load its last checkpoint"
-            )
-            for call_id in sorted(job.unfinished):
-                self._calls.pop(call_id, None)
-                actions.append(Fail(job_id, call_id, WorkerLostError(job.lost)))
-            for lane in (SAMPLER, TRAINER):
-                for call_id in job.running[lane]:  # the surviving worker of a disaggregated job
-                    other = self._workers.get(job.sampler if lane == SAMPLER else job.home)
-                    if other is not None:
-                        other.running.discard(call_id)
-                        other.training.discard(call_id)
-                        self.ledger.call_finished(other.worker_id, job_id, now)
-                        freed.add(other.worker_id)
-                job.queues[lane].clear()
-                job.running[lane].clear()
-            job.unfinished.clear()
-            job.barriers.clear()
-            self._waiting.discard(job_id)
-        for worker_id in sorted(freed):  # the slots freed there may start other jobs' calls
+            lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
+            if job.recoverable and job.sampler == job.home == worker_id:
+                actions += self._recover(job, worker_id, lost, now)
+            else:
+                actions += self._lose_job(job, f"{lost}; its unsaved training state is gone: open the job "
+                                          "again and load its last checkpoint", now)  # fmt: skip
+        homes = {a.worker_id for a in actions if isinstance(a, Recover)}
+        for home in sorted(homes):  # a re-queued restore starts there (a new one is submitted and starts then)
+            actions += self._dispatch(self._workers[home], now)
+        return actions
+
+    def _recover(self, job: _Job, lost_worker: str, lost: str, now: float) -> list[Action]:
+        """Re-home a recoverable job whose worker was lost: its running calls are queued again
+        behind a ``restore`` (the one already pending, if any) on its new home."""
+        chosen = self._choose(job.state.state_bytes, job.base, False, now)
+        if isinstance(chosen, NoWorkersError):
+            return self._lose_job(job, f"{lost}, and no worker can take it over: {chosen.message}", now)
+        for lane in (SAMPLER, TRAINER):
+            for call_id in sorted(job.running[lane]):
+                self._enqueue(job, self._calls[call_id])
+                self.ledger.call_finished(lost_worker, job.job_id, now)
+            job.running[lane].clear()
+        self._waiting.discard(job.job_id)
+        job.home = job.sampler = chosen.worker_id
+        chosen.jobs.add(job.job_id)
+        job.state = Residency(job.state.state_bytes, rs.HOST)  # made on the device by its restore
+        job.rebuilding = True
+        pending = any(self._calls[c].kind == "restore" for c in job.unfinished)
+        return [Recover(job.job_id, chosen.worker_id, restore=not pending)]
+
+    def _lose_job(self, job: _Job, reason: str, now: float) -> list[Action]:
+        """The job cannot go on: fail its calls; the slots they held on surviving workers (a
+        disaggregated job's other half) may start other jobs' calls."""
+        job.lost = reason
+        actions: list[Action] = []
+        for call_id in sorted(job.unfinished):
+            self._calls.pop(call_id, None)
+            actions.append(Fail(job.job_id, call_id, WorkerLostError(reason)))
+        freed: set[str] = set()
+        for lane in (SAMPLER, TRAINER):
+            for call_id in job.running[lane]:
+                other = self._workers.get(job.sampler if lane == SAMPLER else job.home)
+                if other is not None:
+                    other.running.discard(call_id)
+                    other.training.discard(call_id)
+                    self.ledger.call_finished(other.worker_id, job.job_id, now)
+                    freed.add(other.worker_id)
+            job.queues[lane].clear()
+            job.running[lane].clear()
+        job.unfinished.clear()
+        job.barriers.clear()
+        self._waiting.discard(job.job_id)
+        for worker_id in sorted(freed):
             actions += self._dispatch(self._workers[worker_id], now)
         return actions
 
@@ -534,9 +616,11 @@ class Scheduler:
             # Lanes on the job's home need its state on the device (closing frees it wherever it
             # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
             first = startable[0]
+            if job.rebuilding and first.kind != "restore":
+                continue  # its state exists nowhere until the restore (submitted next) makes it
             needs_state = job.home == worker.worker_id
             room = worker.used_bytes + job.state.state_bytes <= worker.memory_bytes
-            if needs_state and first.kind == "open" and job.state.tier == rs.HOST and room:
+            if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
                 # Its state does not exist yet: the open makes it on the device, so it needs room
                 # there, not a transfer (a move in would reach a worker that has nothing to move).
                 job.state.tier = rs.DEVICE
@@ -552,6 +636,7 @@ class Scheduler:
                         self._waiting.discard(job.job_id)
                     job.queues[call.lane].remove(call.call_id)
                     job.running[call.lane].add(call.call_id)
+                    job.rebuilding &= call.kind != "restore"
                     worker.running.add(call.call_id)
                     if call.lane == TRAINER:
                         worker.training.add(call.call_id)
@@ -575,22 +660,23 @@ class Scheduler:
         """The calls of ``job``'s ``lane`` that may start now, in the order they should.
 
         Trainer lane: its head, when nothing of the lane runs; a barrier only once every earlier
-        call of the job is done. Sampler lane: queued generates submitted before the first
-        unfinished barrier, lowest priority value first (frontier groups), then oldest.
+        call of the job is done. Sampler lane: queued generates ahead of the first unfinished
+        barrier, lowest priority value first (frontier groups), then oldest. "Earlier" is the job's
+        order (``_Call.seq``): submission order, with a ``restore`` ahead of everything.
         """
         queue = job.queues[lane]
         if not queue:
             return []
-        first_barrier = min(job.barriers) if job.barriers else None
+        first_barrier = min((self._calls[c].seq for c in job.barriers), default=None)
         if lane == TRAINER:
             if job.running[TRAINER]:
                 return []
             call = self._calls[queue[0]]
             if call.kind in BARRIERS:
-                return [call] if min(job.unfinished) == call.call_id else []
-            return [call] if first_barrier is None or call.call_id < first_barrier else []
-        calls = [self._calls[c] for c in queue if first_barrier is None or c < first_barrier]
-        return sorted(calls, key=lambda c: (c.priority, c.call_id))
+                return [call] if min(self._calls[c].seq for c in job.unfinished) == call.seq else []
+            return [call] if first_barrier is None or call.seq < first_barrier else []
+        calls = [self._calls[c] for c in queue if first_barrier is None or self._calls[c].seq < first_barrier]
+        return sorted(calls, key=lambda c: (c.priority, c.seq))
 
     def _plex_rank(self, job: _Job, call: _Call, now: float) -> tuple[bool, bool, float, int]:
         """Resident first; then calls that unblock a stage; then the job furthest below its weighted
