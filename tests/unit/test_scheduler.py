@@ -15,8 +15,8 @@ from plexrl.coordinator.scheduler import (
     Dispatch,
     Fail,
     JobClosed,
-    JobOpened,
     JobLost,
+    JobOpened,
     JobSized,
     Place,
     Recover,
@@ -204,6 +204,21 @@ def test_a_recoverable_job_moves_to_another_worker_and_runs_its_restore_before_a
         (6, WorkerLostError),
     ]
     assert all("no worker can take it over" in str(a.error) for a in lost if isinstance(a, Fail))
+
+
+def test_a_job_whose_restore_failed_is_lost_and_its_calls_fail() -> None:
+    s = Scheduler()
+    for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a")]:
+        s.handle(e, 0.0)
+    s.handle(JobSized("a", 0, recoverable=True), 0.0)
+    s.handle(CallSubmitted(1, "a", "optim_step"), 0.0)
+    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1")]
+    assert s.handle(CallSubmitted(2, "a", "restore", front=True), 1.0) == [Dispatch(2, "w1")]
+    s.handle(CallFinished(2), 2.0)  # the server heard the restore fail
+    lost = s.handle(JobLost("a", "its restore failed"), 2.0)
+    assert [(a.call_id, str(a.error)) for a in lost if isinstance(a, Fail)] == [(1, "its restore failed")]
+    (later,) = s.handle(CallSubmitted(3, "a", "generate"), 3.0)
+    assert isinstance(later, Fail) and isinstance(later.error, WorkerLostError)
 
 
 def test_new_jobs_avoid_a_lost_worker_and_closed_jobs_free_their_place() -> None:
