@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a silent client's jobs stay suspended for `client.reattach(name)` before they are closed",
     )
     p.add_argument(
+        "--snapshot-max-bytes",
+        type=int,
+        default=32 << 20,
+        help="jobs whose state is at most this survive their worker's death (snapshots kept here); 0: none do",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=float,
         default=600.0,
@@ -225,6 +231,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         client_timeout_s=args.client_timeout,
         client_grace_s=args.client_grace,
         hang_timeout_s=args.hang_timeout,
+        snapshot_max_bytes=args.snapshot_max_bytes,
         max_calls_per_tenant=args.max_calls_per_tenant,
         max_bytes_per_tenant=args.max_bytes_per_tenant,
         bind=args.bind,

@@ -1,5 +1,6 @@
-"""Killing a worker fails its calls with WorkerLostError within the heartbeat timeout; jobs on
-other workers carry on."""
+"""Killing a worker fails the calls of its jobs that cannot be recovered (here: a coordinator that
+keeps no snapshots) with WorkerLostError within the heartbeat timeout; jobs on other workers carry
+on. (Recoverable jobs: test_worker_recovery.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ INTERVAL, LIVENESS = 0.2, 5  # a worker silent for 1 s is dead
 
 
 async def test_a_killed_workers_calls_fail_and_other_workers_jobs_carry_on(tiny_model: Path) -> None:
-    cluster = plexrl.local(workers=2, heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS)
+    cluster = plexrl.local(workers=2, heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS, snapshot_max_bytes=0)
     async with (
         cluster as client,
         plexrl.job("doomed", model=tiny_model) as doomed,

@@ -49,6 +49,7 @@ from plexrl.worker.trainer import job as trainer_job
 PROMPTS = [[1, 5, 6, 7], [1, 9]]
 STOPS = (5, 6, 7, 8, 9, 10, 11, 12)  # many stop tokens, so rows both stop and run to length
 FAST = AdamW(lr=1e-2)
+SNAPSHOTS = 1 << 30  # Open(snapshot_max_bytes=): every job here takes snapshots
 R = TypeVar("R")
 
 
@@ -497,7 +498,7 @@ def test_a_job_restored_elsewhere_from_its_snapshot_and_replay_continues_exactly
     the next step lands where it would have: Adam moments and pending gradients included."""
     spec = lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)
     first, second = Engine(), Engine()
-    first.execute("j", Open(spec, snapshots=True))
+    first.execute("j", Open(spec, snapshot_max_bytes=SNAPSHOTS))
     train(first, "j", steps=1)
     first.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
     stepped = run(first, "j", OptimStep(snapshot=True), OptimStepResult)  # stepped past the sync: v1 = step 1
@@ -506,11 +507,11 @@ def test_a_job_restored_elsewhere_from_its_snapshot_and_replay_continues_exactly
     served = generate(first, "j", seed=4)
     for call in replay:
         first.execute("j", call)
-    restored = run(second, "j", Restore(Open(spec, snapshots=True), stepped.snapshot, replay), Opened)
+    restored = run(second, "j", Restore(Open(spec, snapshot_max_bytes=SNAPSHOTS), stepped.snapshot, replay), Opened)
     assert restored.weight_version == 2
     # Before the replay's sync, the restored sampler served what the original's did.
     again = Engine()
-    run(again, "j", Restore(Open(spec, snapshots=True), stepped.snapshot, []), Opened)
+    run(again, "j", Restore(Open(spec, snapshot_max_bytes=SNAPSHOTS), stepped.snapshot, []), Opened)
     assert rows(generate(again, "j", seed=4).tokens) == rows(served.tokens)
     for engine in (first, second):
         engine.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
@@ -521,11 +522,11 @@ def test_a_job_restored_elsewhere_from_its_snapshot_and_replay_continues_exactly
 
 def test_a_restore_that_fails_leaves_no_job_behind(engine: Engine, tiny_model: Path) -> None:
     other = Engine()
-    other.execute("j", Open(lora_spec(tiny_model, rank=8), snapshots=True))
+    other.execute("j", Open(lora_spec(tiny_model, rank=8), snapshot_max_bytes=SNAPSHOTS))
     other.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
     snap = run(other, "j", OptimStep(snapshot=True), OptimStepResult).snapshot
     with pytest.raises(CallFailedError, match="does not fit"):
-        engine.execute("j", Restore(Open(lora_spec(tiny_model, rank=4), snapshots=True), snap))
+        engine.execute("j", Restore(Open(lora_spec(tiny_model, rank=4), snapshot_max_bytes=SNAPSHOTS), snap))
     with pytest.raises(UnknownJobError):
         engine.execute("j", SyncWeights())
 

@@ -52,6 +52,7 @@ class LocalCluster:
         client_timeout_s: float | None = None,
         client_grace_s: float | None = None,
         hang_timeout_s: float | None = None,
+        snapshot_max_bytes: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -77,6 +78,7 @@ class LocalCluster:
         self.client_timeout_s = client_timeout_s
         self.client_grace_s = client_grace_s
         self.hang_timeout_s = hang_timeout_s  # a worker running a call without progress this long is lost
+        self.snapshot_max_bytes = snapshot_max_bytes  # jobs up to this size survive their worker (0: none)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -141,6 +143,7 @@ class LocalCluster:
                 *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
                 *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
                 *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
+                *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,

@@ -79,6 +79,15 @@ class _JobRecord:
     client: bytes = b""  # the connection it is attached to
     opened: calls.Opened | None = None  # what its opening returned (for a client that reattaches)
     suspended_at: float = 0.0
+    open: calls.Open | None = None  # the call that opened it (a restore opens it again elsewhere)
+    generates: int = 0  # its generate calls so far: each gets a seed of its own if its caller set none
+    # Recovery (a colocated job whose open reported snapshots): the snapshot of its last optim_step
+    # or load, and its forward_backward / sync_weights calls since, in order; a restore on another
+    # worker rebuilds it from these when its worker is lost.
+    recoverable: bool = False
+    snapshot: calls.Snapshot | None = None
+    replay: list[calls.ForwardBackward | calls.SyncWeights] = field(default_factory=list)
+    recoveries: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,9 @@ class CoordinatorConfig:
     client_grace_s: float = 300.0
     max_calls_per_tenant: int = 20_000  # submitted calls queued or running at once; more: TooManyCallsError
     max_bytes_per_tenant: int = 16 << 30  # and the bytes of their messages (batches, prompts)
+    # Jobs whose state is at most this many bytes survive the loss of their worker (colocated jobs:
+    # snapshots at every optim_step, kept here with the calls since); 0: none do.
+    snapshot_max_bytes: int = 32 << 20
     # A worker running a call whose engine makes no progress this long is hung: declared lost.
     # Longer than any one step of work (a model load, one forward or backward); 0: never.
     hang_timeout_s: float = 600.0
@@ -387,17 +399,17 @@ class Coordinator:
             raise InvalidRequestError(f"placement {msg.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         job_id = f"{msg.name}-{next(self._job_ids)}"
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(
-            call_id, job_id, ident, msg.rid, calls.Open(spec=msg.spec, tenant=self._tenant_folder(ident))
-        )
-        # Its state's size is known once the worker opened it (JobSized).
         disaggregated = msg.placement == "disaggregated"
+        snapshot_max_bytes = 0 if disaggregated else self.config.snapshot_max_bytes  # see Recover
+        open_call = calls.Open(spec=msg.spec, tenant=self._tenant_folder(ident), snapshot_max_bytes=snapshot_max_bytes)
+        self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, open_call)
+        # Its state's size is known once the worker opened it (JobSized).
         opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(
                     job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
-                    sampler_id=action.sampler_id, client=ident,
+                    sampler_id=action.sampler_id, client=ident, open=open_call,
                 )  # fmt: skip
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
@@ -417,7 +429,7 @@ class Coordinator:
             raise JobSuspendedError(
                 f"job {msg.job_id!r} lost its client and is suspended: take it over with client.reattach({job.name!r})"
             )
-        if isinstance(msg.call, calls.Open | calls.SetWeights):
+        if isinstance(msg.call, calls.Open | calls.SetWeights | calls.Restore):
             raise InvalidRequestError(
                 f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
             )
@@ -443,8 +455,14 @@ class Coordinator:
                 )
         if isinstance(msg.call, calls.Close):
             job.state = "closing"
+        call = msg.call
+        if isinstance(call, calls.Generate):  # seeded here, so a retry elsewhere samples the same
+            if call.params.seed is None:
+                params = msgspec.structs.replace(call.params, seed=calls.generate_seed(job.spec.seed, job.generates))
+                call = msgspec.structs.replace(call, params=params)
+            job.generates += 1
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, msg.call, tenant=tenant, nbytes=nbytes)
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, call, tenant=tenant, nbytes=nbytes)
         self._calls_of_tenant[tenant] += 1
         self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
@@ -542,23 +560,50 @@ class Coordinator:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
-            self._send(
-                rec.client,
-                m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s),
-            )
+            if job is not None:
+                result = self._keep_for_recovery(job, rec.call, result)
+            if rec.client:  # not the coordinator's own call (a restore, a close nobody awaits)
+                done = m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s)
+                self._send(rec.client, done)
             if isinstance(result, calls.Opened):
-                self._apply(sch.JobSized(rec.job_id, result.state_bytes))
-                if job is not None:
-                    job.opened = result
-        else:
+                recoverable = result.snapshots and job is not None and not job.sampler_id
+                self._apply(sch.JobSized(rec.job_id, result.state_bytes, recoverable=recoverable))
+                if job is not None and isinstance(rec.call, calls.Open):
+                    job.opened, job.recoverable = result, recoverable
+        elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         self._apply(sch.CallFinished(rec.call_id))
+        if isinstance(rec.call, calls.Restore) and job is not None:
+            if isinstance(msg, m.CallDone):
+                job.recoveries += 1
+                log.warning("job %s recovered on worker %s (recovery %d)", job.job_id, worker_id, job.recoveries)
+            else:
+                job.state = "lost"
+                self._apply(sch.JobLost(job.job_id, f"job {job.job_id} could not be restored after losing its "
+                                        f"worker ({msg.message}): open it again and load its last checkpoint"))  # fmt: skip
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
         if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:
             self._close_unawaited(job.worker_id, rec.job_id)  # the replica failed after the home opened
         if isinstance(rec.call, calls.Close) or opening_failed:
             self._jobs.pop(rec.job_id, None)
             self._apply(sch.JobClosed(rec.job_id))
+
+    def _keep_for_recovery(self, job: _JobRecord, call: calls.Call, result: calls.Result) -> calls.Result:
+        """Keep what rebuilds a recoverable job elsewhere: the snapshot its optim_step or load
+        returned (not passed on to the client), then each forward_backward and sync_weights done
+        since. Returns the result for the client."""
+        if not job.recoverable:
+            return result
+        match call, result:
+            case (calls.OptimStep(), calls.OptimStepResult(snapshot=snapshot)) | (
+                calls.Load(),
+                calls.Loaded(snapshot=snapshot),
+            ) if snapshot is not None:
+                job.snapshot, job.replay = snapshot, []
+                return msgspec.structs.replace(result, snapshot=None)
+            case calls.ForwardBackward() | calls.SyncWeights(), _:
+                job.replay.append(call)
+        return result
 
     def _follow_on_sampler(self, rec: _CallRecord, done: m.CallDone) -> bool:
         """A disaggregated job's barrier call, done on its home worker, continues on its sampler
@@ -629,18 +674,23 @@ class Coordinator:
                     call = calls.SyncWeights(export=True)  # its sampler worker gets the weights next
                 elif job is not None and job.sampler_id and isinstance(call, calls.Load):
                     call = calls.Load(path=call.path, export=True)
+                elif job is not None and job.recoverable and isinstance(call, calls.OptimStep | calls.Load):
+                    call = msgspec.structs.replace(call, snapshot=True)  # kept here: _keep_for_recovery
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
             case sch.Fail(job_id, call_id, error):
                 failed = self._calls.get(call_id) if call_id is not None else None
                 if failed is not None:
                     self._forget(failed)
-                    self._reply_error(failed.client, failed.client_rid, error)
+                    if failed.client:
+                        self._reply_error(failed.client, failed.client_rid, error)
                 if failed is not None and isinstance(failed.call, calls.Open):
                     self._jobs.pop(job_id, None)
                     self._scheduler.handle(sch.JobClosed(job_id), self._now())
             case sch.Place():
                 raise AssertionError("placement happens only when a job opens")
+            case sch.Recover(job_id, worker_id, restore):
+                self._recover(self._jobs[job_id], worker_id, restore)
             case sch.Swap(job_id, worker_id, to):
                 move_id = next(self._move_ids)
                 self._moves[move_id] = (worker_id, job_id)
@@ -652,10 +702,28 @@ class Coordinator:
         self._worker_by_ident.pop(rec.ident, None)
         for move_id in [k for k, (w, _) in self._moves.items() if w == rec.worker_id]:
             del self._moves[move_id]  # the scheduler forgets the transfer with the worker
-        for job in self._jobs.values():
-            if rec.worker_id in (job.worker_id, job.sampler_id):
-                job.state = "lost"
+        held = [j for j in self._jobs.values() if rec.worker_id in (j.worker_id, j.sampler_id)]
         self._apply(sch.WorkerLost(rec.worker_id, reason))
+        for job in held:
+            if rec.worker_id in (job.worker_id, job.sampler_id):  # not moved elsewhere (_recover)
+                job.state = "lost"
+
+    def _recover(self, job: _JobRecord, worker_id: str, restore: bool) -> None:
+        """The scheduler moved ``job`` to ``worker_id``: its calls that ran on the lost worker are
+        queued again, behind a restore from what ``_keep_for_recovery`` kept (submitted here,
+        unless one is already pending)."""
+        log.warning("job %s moves to worker %s (its worker was lost): restoring it there", job.job_id, worker_id)
+        job.worker_id = worker_id
+        for rec in self._calls.values():
+            if rec.job_id == job.job_id:
+                rec.worker_id = None  # not running anywhere now; dispatched again on the new home
+        if not restore:
+            return
+        assert job.open is not None
+        call_id = next(self._call_ids)
+        call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay))
+        self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, call)
+        self._apply(sch.CallSubmitted(call_id, job.job_id, "restore", front=True))
 
     # -- outbound -------------------------------------------------------------------------------
 
@@ -723,6 +791,7 @@ class Coordinator:
             swaps=usage.swaps if usage else 0,
             swap_bytes=usage.swap_bytes if usage else 0,
             swap_s=usage.swap_s if usage else 0.0,
+            recoveries=j.recoveries,
         )
 
     def _tenant_folder(self, ident: bytes) -> str:

@@ -34,9 +34,10 @@ class Open(msgspec.Struct, tag="open", frozen=True):
     spec: JobSpec
     replica: bool = False
     tenant: str = ""  # whose job: names its checkpoint folder on the worker (set by the coordinator)
-    # Set by the coordinator for jobs it can recover: the worker keeps a host copy of what the
-    # sampler serves, for the snapshots its optim_steps return.
-    snapshots: bool = False
+    # Set by the coordinator, which recovers jobs from snapshots of at most this many bytes: the
+    # worker makes a job snapshot-taking (it keeps a host copy of what its sampler serves) if its
+    # state is no larger, and says so in ``Opened.snapshots``. 0: no snapshots.
+    snapshot_max_bytes: int = 0
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -115,6 +116,13 @@ Call = (
 )
 
 
+def generate_seed(job_seed: int, index: int) -> int:
+    """The seed of a job's ``index``-th generate that names none: independent of every other
+    job's activity and of which worker runs it."""
+    state = np.random.SeedSequence([job_seed % (1 << 64), index]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
+
+
 # -- results ----------------------------------------------------------------------------------
 
 
@@ -123,6 +131,7 @@ class Opened(msgspec.Struct, tag="opened", frozen=True):
     trainable_params: int
     total_params: int
     state_bytes: int = 0  # the job's movable state on its worker's device (what residency moves)
+    snapshots: bool = False  # its optim_steps and loads return a Snapshot when asked (see Open)
 
 
 class Generated(msgspec.Struct, tag="generated", frozen=True):

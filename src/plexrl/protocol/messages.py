@@ -147,6 +147,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     swaps: int = 0
     swap_bytes: int = 0
     swap_s: float = 0.0
+    recoveries: int = 0  # times its worker was lost and the job rebuilt on another
 
     @property
     def cost_vs_held(self) -> float:

@@ -33,7 +33,7 @@ from plexrl.protocol.calls import (
     SyncWeights,
 )
 from plexrl.worker import memory
-from plexrl.worker.memory import Moved
+from plexrl.worker.memory import Moved, planned_state_bytes
 from plexrl.worker.models import ModelCache
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
@@ -172,7 +172,9 @@ class Engine:
             if spec.lora is None
             else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
         )
-        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress, snapshots=call.snapshots)
+        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
+        if 0 < planned_state_bytes(job) <= call.snapshot_max_bytes:
+            job.take_snapshots()
         self._jobs[job_id] = job
         self._tenants[job_id] = call.tenant or SHARED
         return job.opened()

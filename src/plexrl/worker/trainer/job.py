@@ -47,6 +47,7 @@ from plexrl.protocol.calls import (
     Snapshot,
     Synced,
     SyncWeights,
+    generate_seed,
 )
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
 from plexrl.worker.memory import planned_state_bytes
@@ -106,7 +107,6 @@ class Job:
         vllm: VllmSampler | None = None,
         key: str | None = None,
         progress: Progress | None = None,
-        snapshots: bool = False,
     ) -> None:
         self.spec = spec
         self.base = base
@@ -124,7 +124,7 @@ class Job:
         # What the sampler serves: the trainer's weights as of step ``_published_step``, and (for a
         # job that takes snapshots) a host copy of them, since the trainer may step on before a sync.
         self._published_step = 0
-        self._published: dict[str, Tensor] | None = {} if snapshots else None
+        self._published: dict[str, Tensor] | None = None
         self.host_state: dict[str, Tensor] | None = None  # set while the state is in the host store
         self._publish(weights.trainer_params, initial=True)
 
@@ -135,7 +135,13 @@ class Job:
             trainable_params=trainable,
             total_params=self.weights.total_params,
             state_bytes=planned_state_bytes(self),
+            snapshots=self._published is not None,
         )
+
+    def take_snapshots(self) -> None:
+        """From now on keep a host copy of what the sampler serves, for ``snapshot`` (call it
+        right after opening, while the sampler serves the trainer's initial weights)."""
+        self._published = {k: t.detach().to("cpu", copy=True) for k, t in self.weights.trainer_params.items()}
 
     def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
         return self.generate_async(prompts, params).result()
@@ -149,7 +155,9 @@ class Job:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids {bad} are outside the vocabulary [0, {self.base.vocab_size})"
             )
-        seed = _call_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
+        # The coordinator seeds every generate (so a retry on another worker samples the same); this
+        # counter seeds the calls of in-process use.
+        seed = generate_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
         self.generate_calls += 1
         if self.vllm is not None:
             return self.vllm.submit(
@@ -357,7 +365,7 @@ class Job:
         sampler = None
         if self._published_step != self.step:  # stepped since the last sync: the sampler serves older weights
             if self._published is None:
-                raise CallFailedError("this job keeps no copy of its sampler's weights: open it with snapshots")
+                raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
             sampler = {k: t.numpy() for k, t in self._published.items()}
         return Snapshot(
             step=self.step,
@@ -498,9 +506,3 @@ def _optimizer_settings(o: AdamW) -> dict[str, Any]:
 
 def _new_optimizer(weights: Weights, o: AdamW) -> torch.optim.AdamW:
     return torch.optim.AdamW(list(weights.trainer_params.values()), **_optimizer_settings(o))
-
-
-def _call_seed(job_seed: int, call: int) -> int:
-    """A seed for the job's ``call``-th generate: independent of every other job's activity."""
-    state = np.random.SeedSequence([job_seed % (1 << 64), call]).generate_state(1, np.uint64)
-    return int(state[0]) >> 1
