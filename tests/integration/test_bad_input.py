@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 import plexrl
+from fuzz.corpus import frames_of, mutate, seeds
 from plexrl.client.connection import Client
 from plexrl.errors import (
     BatchShapeError,
@@ -91,6 +92,24 @@ async def test_undecodable_messages_get_a_typed_error(
     reply = await _reply(raw)
     assert isinstance(reply, m.ErrorReply) and reply.code == code
     await _still_serving(cluster)
+
+
+async def test_a_stream_of_mutated_messages_of_every_kind_never_stops_the_coordinator(
+    cluster: Client, raw: zmq.asyncio.Socket
+) -> None:
+    """The wire fuzzer's corpus (tests/fuzz), mutated: whatever reaches the coordinator gets a
+    typed error or is dropped, and everyone else is served throughout."""
+    rng = np.random.default_rng(0)
+    corpus = seeds()
+    for i in range(3000):
+        raw.send_multipart(frames_of(mutate(corpus[i % len(corpus)], rng, edits=1 + i % 8)))
+        if i % 500 == 0:
+            await _still_serving(cluster)
+    await _still_serving(cluster)
+    errors = 0
+    while (reply := await _reply(raw, timeout_s=1.0)) is not None:
+        errors += isinstance(reply, m.ErrorReply)
+    assert errors > 0  # the bad ones were answered, not silently eaten
 
 
 async def test_an_oversized_message_gets_an_error_and_a_huge_one_is_dropped(

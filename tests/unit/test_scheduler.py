@@ -15,7 +15,6 @@ from plexrl.coordinator.scheduler import (
     Dispatch,
     Fail,
     JobClosed,
-    JobLost,
     JobOpened,
     JobSized,
     Place,
@@ -27,7 +26,7 @@ from plexrl.coordinator.scheduler import (
     WorkerJoined,
     WorkerLost,
 )
-from plexrl.errors import NoWorkersError, WorkerLostError
+from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
 
 
 def run(events: list) -> list:
@@ -214,11 +213,42 @@ def test_a_job_whose_restore_failed_is_lost_and_its_calls_fail() -> None:
     s.handle(CallSubmitted(1, "a", "optim_step"), 0.0)
     assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1")]
     assert s.handle(CallSubmitted(2, "a", "restore", front=True), 1.0) == [Dispatch(2, "w1")]
-    s.handle(CallFinished(2), 2.0)  # the server heard the restore fail
-    lost = s.handle(JobLost("a", "its restore failed"), 2.0)
-    assert [(a.call_id, str(a.error)) for a in lost if isinstance(a, Fail)] == [(1, "its restore failed")]
+    lost = s.handle(CallFinished(2, error="no model at /m"), 2.0)  # the worker could not restore it
+    assert [(a.call_id, type(a.error)) for a in lost if isinstance(a, Fail)] == [(1, WorkerLostError)]
+    assert "could not be restored on another worker (no model at /m)" in str(lost[0].error)
     (later,) = s.handle(CallSubmitted(3, "a", "generate"), 3.0)
     assert isinstance(later, Fail) and isinstance(later.error, WorkerLostError)
+
+
+def test_a_job_whose_open_failed_fails_its_other_calls_and_frees_the_worker() -> None:
+    """Found by fuzzing the coordinator: the failed open's CallFinished dispatched the job's next
+    call, whose slot then leaked once the job was closed, and the worker never ran anything again."""
+    s = Scheduler()
+    for e in [WorkerJoined("w0"), JobOpened("a"), JobOpened("b")]:
+        s.handle(e, 0.0)
+    assert s.handle(CallSubmitted(1, "a", "open"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "a", "generate"), 0.0) == []
+    assert s.handle(CallSubmitted(3, "b", "open"), 0.0) == []
+    failed = s.handle(CallFinished(1, error="no model at /m"), 1.0)
+    assert [(a.call_id, type(a.error)) for a in failed if isinstance(a, Fail)] == [(2, JobClosedError)]
+    assert [a for a in failed if isinstance(a, Dispatch)] == [Dispatch(3, "w0")]  # b's open, not a's generate
+    s.handle(JobClosed("a"), 1.0)
+    s.handle(CallFinished(3), 2.0)
+    assert s.handle(CallSubmitted(4, "b", "generate"), 2.0) == [Dispatch(4, "w0")]
+
+
+def test_a_call_finished_after_its_job_was_closed_still_frees_its_slot() -> None:
+    s = Scheduler()
+    for e in [WorkerJoined("w0"), JobOpened("a"), JobOpened("b")]:
+        s.handle(e, 0.0)
+    assert s.handle(CallSubmitted(1, "a", "generate"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "a", "forward_backward"), 0.0) == []
+    closed = s.handle(JobClosed("a"), 1.0)  # e.g. dropped as lost: its calls fail, none is left waiting
+    assert [(a.call_id, type(a.error)) for a in closed if isinstance(a, Fail)] == [
+        (1, JobClosedError),
+        (2, JobClosedError),
+    ]
+    assert s.handle(CallSubmitted(3, "b", "generate"), 1.0) == [Dispatch(3, "w0")]
 
 
 def test_new_jobs_avoid_a_lost_worker_and_closed_jobs_free_their_place() -> None:
@@ -426,6 +456,7 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
     st.tuples(st.just("lose"), st.integers(0, 9)),
     st.tuples(st.just("close"), st.integers(0, 9)),
     st.tuples(st.just("cancel"), st.integers(0, 99)),
+    st.tuples(st.just("fail"), st.integers(0, 99)),  # the worker failed the call (a failed restore ends its job)
     st.tuples(st.just("tick"), st.integers(1, 300)),
 )
 
@@ -566,10 +597,10 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             if j not in homes:
                 continue
             submit(j, KINDS[arg // 10], priority=arg % 2)
-        elif kind == "finish" and running:
+        elif kind in ("finish", "fail") and running:
             c = sorted(running)[arg % len(running)]
             del running[c]
-            check(s.handle(CallFinished(c), t))
+            check(s.handle(CallFinished(c, error="failed" if kind == "fail" else ""), t))
         elif kind == "cancel" and next_call > 1:
             c = 1 + arg % (next_call - 1)
             if kinds[c] == "restore":

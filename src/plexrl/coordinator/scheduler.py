@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from plexrl.coordinator import residency as rs
 from plexrl.coordinator.accounting import Ledger
 from plexrl.coordinator.residency import Residency
-from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
+from plexrl.errors import JobClosedError, NoWorkersError, PlexError, WorkerLostError
 
 # -- events (server -> scheduler) --------------------------------------------------------------
 
@@ -67,14 +67,6 @@ class JobSized:
 
 
 @dataclass(frozen=True, slots=True)
-class JobLost:
-    """The job cannot go on (its restore failed): fail its calls, as if its worker were lost."""
-
-    job_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class JobClosed:
     job_id: str
 
@@ -91,6 +83,7 @@ class CallSubmitted:
 @dataclass(frozen=True, slots=True)
 class CallFinished:
     call_id: int
+    error: str = ""  # why the worker failed it ("" = it succeeded); a failed open or restore ends its job
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +114,6 @@ Event = (
     | WorkerLost
     | JobOpened
     | JobSized
-    | JobLost
     | JobClosed
     | CallSubmitted
     | CallFinished
@@ -228,7 +220,7 @@ class _Job:
     running: dict[str, set[int]] = field(default_factory=lambda: {SAMPLER: set(), TRAINER: set()})
     barriers: set[int] = field(default_factory=set)  # unfinished barrier calls
     unfinished: set[int] = field(default_factory=set)  # queued or running calls
-    lost: str | None = None  # why the job's state is gone
+    lost: PlexError | None = None  # why the job cannot go on (every call of it fails with this)
     closing: bool = False  # its close is submitted: its state is freed, never moved, from then on
     recoverable: bool = False  # rebuilt on another worker when its home is lost (colocated jobs only)
     rebuilding: bool = False  # re-homed, its restore not yet started: nothing else of it may start
@@ -264,6 +256,7 @@ NEW_JOB_LOAD = 0.5  # plex: the busy fraction a job is expected to need until it
 OBSERVE_S = 300.0  # plex: a job's own busy fraction replaces the guess after this long
 PACK_LOAD = 1.0  # plex: a new job goes where the expected busy fractions leave room for it
 CRITICAL = frozenset({"open", "close", "optim_step", "sync_weights"})  # short, and the next stage waits on them
+LOST = "its unsaved training state is gone: open the job again and load its last checkpoint"
 
 
 class Scheduler:
@@ -276,6 +269,7 @@ class Scheduler:
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[str, _Job] = {}
         self._calls: dict[int, _Call] = {}
+        self._ran_on: dict[int, str] = {}  # running call -> the worker it runs on (its slot)
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
         self.ledger = Ledger()
@@ -323,10 +317,17 @@ class Scheduler:
                 call = self._new_call(call_id, job_id, kind, priority, front)
                 actions += self._submit(call, now)
                 touched = self._lane_worker(call)
-            case CallFinished(call_id):
+            case CallFinished(call_id, error):
                 done = self._calls.get(call_id)
                 touched = self._lane_worker(done) if done is not None else None
                 self._finish(call_id, now)
+                job = self._jobs.get(done.job_id) if done is not None else None
+                if done is not None and job is not None and error and done.kind in MAKES_STATE:
+                    if done.kind == "open":  # nothing of the job exists: its other calls fail
+                        actions += self._lose_job(job, JobClosedError(f"job {job.job_id} did not open: {error}"), now)
+                    else:
+                        reason = f"job {job.job_id} could not be restored on another worker ({error}); " + LOST
+                        actions += self._lose_job(job, WorkerLostError(reason), now)
                 # A barrier's end (or any call's, before a barrier) may free the other lane too.
                 other = self._other_worker(done) if done is not None else None
                 if other is not None and other != touched and other in self._workers:
@@ -344,11 +345,10 @@ class Scheduler:
                 if job_id in self._jobs:
                     self._jobs[job_id].recoverable = recoverable
                 touched = self._resize(job_id, state_bytes)
-            case JobLost(job_id, reason):
-                job = self._jobs.get(job_id)
-                if job is not None:
-                    actions += self._lose_job(job, reason, now)
             case JobClosed(job_id):
+                job = self._jobs.get(job_id)
+                if job is not None and job.unfinished:  # nothing is left to run them on
+                    actions += self._lose_job(job, JobClosedError(f"job {job_id} was closed before the call ran"), now)
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
@@ -476,7 +476,7 @@ class Scheduler:
         if job is None:
             raise KeyError(f"call {call.call_id} for unplaced job {call.job_id}")
         if job.lost is not None:
-            return [Fail(call.job_id, call.call_id, WorkerLostError(job.lost))]
+            return [Fail(call.job_id, call.call_id, job.lost)]
         self._calls[call.call_id] = call
         if not job.unfinished and job.state.last_done_s is not None:
             job.state.observe_gap(now - job.state.last_done_s)  # it was idle since its last call
@@ -501,20 +501,19 @@ class Scheduler:
 
     def _finish(self, call_id: int, now: float) -> None:
         call = self._calls.pop(call_id, None)
-        if call is None:
-            return  # already failed (its worker was declared lost first)
-        job = self._jobs.get(call.job_id)
-        if job is None:
-            return
+        worker = self._workers.get(self._ran_on.pop(call_id, ""))
+        if worker is not None:  # its slot is free, whatever became of its job
+            worker.running.discard(call_id)
+            worker.training.discard(call_id)
+            if call is not None:
+                self.ledger.call_finished(worker.worker_id, call.job_id, now)
+        job = self._jobs.get(call.job_id) if call is not None else None
+        if call is None or job is None:
+            return  # already failed (its worker was declared lost first), or its job is gone
         job.running[call.lane].discard(call_id)
         job.unfinished.discard(call_id)
         job.barriers.discard(call_id)
         job.state.last_done_s = now
-        worker = self._workers.get(job.sampler if call.lane == SAMPLER else job.home)
-        if worker is not None:
-            worker.running.discard(call_id)
-            worker.training.discard(call_id)
-            self.ledger.call_finished(worker.worker_id, job.job_id, now)
 
     def _cancel(self, call_id: int) -> None:
         call = self._calls.get(call_id)
@@ -542,8 +541,7 @@ class Scheduler:
             if job.recoverable and job.sampler == job.home == worker_id:
                 actions += self._recover(job, worker_id, lost, now)
             else:
-                actions += self._lose_job(job, f"{lost}; its unsaved training state is gone: open the job "
-                                          "again and load its last checkpoint", now)  # fmt: skip
+                actions += self._lose_job(job, WorkerLostError(f"{lost}; {LOST}"), now)
         homes = {a.worker_id for a in actions if isinstance(a, Recover)}
         for home in sorted(homes):  # a re-queued restore starts there (a new one is submitted and starts then)
             actions += self._dispatch(self._workers[home], now)
@@ -554,10 +552,13 @@ class Scheduler:
         behind a ``restore`` (the one already pending, if any) on its new home."""
         chosen = self._choose(job.state.state_bytes, job.base, False, now)
         if isinstance(chosen, NoWorkersError):
-            return self._lose_job(job, f"{lost}, and no worker can take it over: {chosen.message}", now)
+            return self._lose_job(
+                job, WorkerLostError(f"{lost}, and no worker can take it over: {chosen.message}"), now
+            )
         for lane in (SAMPLER, TRAINER):
             for call_id in sorted(job.running[lane]):
                 self._enqueue(job, self._calls[call_id])
+                self._ran_on.pop(call_id, None)
                 self.ledger.call_finished(lost_worker, job.job_id, now)
             job.running[lane].clear()
         self._waiting.discard(job.job_id)
@@ -568,18 +569,19 @@ class Scheduler:
         pending = any(self._calls[c].kind == "restore" for c in job.unfinished)
         return [Recover(job.job_id, chosen.worker_id, restore=not pending)]
 
-    def _lose_job(self, job: _Job, reason: str, now: float) -> list[Action]:
-        """The job cannot go on: fail its calls; the slots they held on surviving workers (a
-        disaggregated job's other half) may start other jobs' calls."""
-        job.lost = reason
+    def _lose_job(self, job: _Job, error: PlexError, now: float) -> list[Action]:
+        """The job cannot go on: fail its calls (and every later one) with ``error``; the slots
+        its running calls held on surviving workers may start other jobs' calls."""
+        job.lost = error
         actions: list[Action] = []
         for call_id in sorted(job.unfinished):
             self._calls.pop(call_id, None)
-            actions.append(Fail(job.job_id, call_id, WorkerLostError(reason)))
+            actions.append(Fail(job.job_id, call_id, error))
         freed: set[str] = set()
         for lane in (SAMPLER, TRAINER):
             for call_id in job.running[lane]:
-                other = self._workers.get(job.sampler if lane == SAMPLER else job.home)
+                worker_id = self._ran_on.pop(call_id, None)
+                other = self._workers.get(worker_id) if worker_id is not None else None
                 if other is not None:
                     other.running.discard(call_id)
                     other.training.discard(call_id)
@@ -638,6 +640,7 @@ class Scheduler:
                     job.running[call.lane].add(call.call_id)
                     job.rebuilding &= call.kind != "restore"
                     worker.running.add(call.call_id)
+                    self._ran_on[call.call_id] = worker.worker_id
                     if call.lane == TRAINER:
                         worker.training.add(call.call_id)
                     self.ledger.call_started(worker.worker_id, job.job_id, now)

@@ -572,15 +572,14 @@ class Coordinator:
                     job.opened, job.recoverable = result, recoverable
         elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
-        self._apply(sch.CallFinished(rec.call_id))
+        error = msg.message if isinstance(msg, m.ErrorReply) else ""
+        self._apply(sch.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         if isinstance(rec.call, calls.Restore) and job is not None:
-            if isinstance(msg, m.CallDone):
+            if error:
+                job.state = "lost"
+            else:
                 job.recoveries += 1
                 log.warning("job %s recovered on worker %s (recovery %d)", job.job_id, worker_id, job.recoveries)
-            else:
-                job.state = "lost"
-                self._apply(sch.JobLost(job.job_id, f"job {job.job_id} could not be restored after losing its "
-                                        f"worker ({msg.message}): open it again and load its last checkpoint"))  # fmt: skip
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
         if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:
             self._close_unawaited(job.worker_id, rec.job_id)  # the replica failed after the home opened
