@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
         help="jobs whose state is at most this survive their worker's death (snapshots kept here); 0: none do",
     )
     p.add_argument(
+        "--recovery-wait",
+        type=float,
+        default=300.0,
+        help="seconds such a job whose worker died waits for another worker to take it before its calls fail",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=float,
         default=600.0,
@@ -232,6 +238,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         client_grace_s=args.client_grace,
         hang_timeout_s=args.hang_timeout,
         snapshot_max_bytes=args.snapshot_max_bytes,
+        recovery_wait_s=args.recovery_wait,
         max_calls_per_tenant=args.max_calls_per_tenant,
         max_bytes_per_tenant=args.max_bytes_per_tenant,
         bind=args.bind,

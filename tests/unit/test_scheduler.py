@@ -192,17 +192,33 @@ def test_a_recoverable_job_moves_to_another_worker_and_runs_its_restore_before_a
     assert s.handle(CallFinished(4), 2.0) == [Dispatch(1, "w1"), Dispatch(2, "w1")]  # back in their order
     assert s.handle(CallFinished(2), 2.0) == [Dispatch(5, "w1")]
     assert s.handle(CallFinished(1), 3.0) == [Dispatch(3, "w1")]
-    # Its new home lost as well: the next one; with none left, it is lost.
+    # Its new home lost as well: the next one; with none left, it waits for a worker (its restore
+    # pending), takes the next one that joins, and is lost only once none joins in time.
     s.handle(WorkerJoined("w2"), 3.0)
     assert s.handle(WorkerLost("w1", "test"), 4.0) == [Recover("a", "w2")]
     assert s.handle(CallSubmitted(6, "a", "restore", front=True), 4.0) == [Dispatch(6, "w2")]
-    lost = s.handle(WorkerLost("w2", "test"), 5.0)
+    assert s.handle(WorkerLost("w2", "test"), 5.0) == [Recover("a", "", restore=False)]
+    assert s.has_waiting()
+    assert s.handle(WorkerJoined("w3"), 6.0) == [Recover("a", "w3", restore=False), Dispatch(6, "w3")]
+    assert s.handle(WorkerLost("w3", "test"), 7.0) == [Recover("a", "", restore=False)]
+    assert s.handle(Tick(), 7.0 + s.recovery_wait_s - 1) == []
+    lost = s.handle(Tick(), 7.0 + s.recovery_wait_s)
     assert [(a.call_id, type(a.error)) for a in lost if isinstance(a, Fail)] == [
         (3, WorkerLostError),
         (5, WorkerLostError),
         (6, WorkerLostError),
     ]
-    assert all("no worker can take it over" in str(a.error) for a in lost if isinstance(a, Fail))
+    assert all("no worker could take it over within 300 s" in str(a.error) for a in lost if isinstance(a, Fail))
+
+
+def test_a_job_whose_worker_died_while_it_opened_opens_on_another() -> None:
+    s = Scheduler()
+    for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a")]:
+        s.handle(e, 0.0)
+    assert s.handle(CallSubmitted(1, "a", "open"), 0.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "a", "generate"), 0.0) == []
+    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1", restore=False), Dispatch(1, "w1")]
+    assert s.handle(CallFinished(1), 2.0) == [Dispatch(2, "w1")]
 
 
 def test_a_job_whose_restore_failed_is_lost_and_its_calls_fail() -> None:
@@ -511,13 +527,13 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 resident[a.job_id] = fits
                 device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
             elif isinstance(a, Recover):
-                assert a.job_id in recoverable and a.worker_id in workers and a.worker_id != homes[a.job_id]
-                homes[a.job_id] = samplers[a.job_id] = a.worker_id
+                assert a.job_id in recoverable and a.worker_id in ("", *workers) and a.worker_id != homes[a.job_id]
+                homes[a.job_id] = samplers[a.job_id] = a.worker_id  # "": it waits for a worker to join
                 resident[a.job_id] = False  # its restore makes the state there
                 pending = [
                     c for c in submitted[a.job_id] if kinds[c] == "restore" and (c not in outcome or c in running)
                 ]
-                assert a.restore == (not pending), "one restore at a time"
+                assert a.restore == (bool(a.worker_id) and not pending), "one restore at a time, on a worker"
                 for c in [c for c, (j, w) in running.items() if j == a.job_id and w not in workers]:
                     del running[c], outcome[c]  # queued again, for its new home
                 if a.restore:  # as the server does
@@ -627,9 +643,8 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             moving.pop(w, None)
             check(s.handle(WorkerLost(w, "test"), t))
             assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed or queued again"
-            while recovering:
-                j = recovering.pop(0)
-                submit(j, "restore", front=True)
+        while recovering:  # the server submits a restore for each Recover that asks for one
+            submit(recovering.pop(0), "restore", front=True)
 
     # Progress: with the remaining workers alive, finishing what runs, completing transfers and
     # letting time pass (ticks) settles every submitted call of a placed job within a bound.

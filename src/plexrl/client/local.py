@@ -129,7 +129,7 @@ class LocalCluster:
         extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
         self.keys = Path(tempfile.mkdtemp(prefix="plexrl-keys-"))  # mode 0700
         auth.init_dir(self.keys)
-        worker_key = auth.add_key(self.keys, "local-workers", "worker")
+        auth.add_key(self.keys, "local-workers", "worker")
         auth.add_key(self.keys, "local", "admin")
         self.coordinator = await asyncio.create_subprocess_exec(
             *self._command(
@@ -154,24 +154,7 @@ class LocalCluster:
             raise LocalClusterError(f"the coordinator did not start (exit code {await self.coordinator.wait()})")
         self.address = line.decode().strip()
         for i in range(self.workers):
-            cmd = self._command(
-                "worker",
-                "--coordinator", self.address,
-                "--device", self.device,
-                "--name", f"local-{i}",
-                "--key", str(worker_key),
-                "--coordinator-key", str(self.keys / "coordinator.key"),
-                *(["--cpus", ",".join(map(str, self.cores[i]))] if self.cores else
-                  ["--threads", str(self.threads_per_worker)]),
-                *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
-                *(["--max-loras", str(self.max_loras)] if self.max_loras else []),
-                *(["--max-lora-rank", str(self.max_lora_rank)] if self.max_lora_rank else []),
-                *(["--sampler", self.sampler] if self.sampler else []),
-                *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
-                *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
-                *extra,
-            )  # fmt: skip
-            self.worker_processes.append(await asyncio.create_subprocess_exec(*cmd))
+            await self.start_worker(i)
         self.client = Client(self.address, credentials=self.credentials())
         await self.client.__aenter__()
         ready = asyncio.ensure_future(self.client.status(min_workers=self.workers))
@@ -185,6 +168,33 @@ class LocalCluster:
             ready.cancel()
             raise LocalClusterError("a process of the embedded cluster exited while starting; see its log above")
         log.info("embedded cluster ready at %s with %d workers", self.address, self.workers)
+
+    async def start_worker(self, i: int) -> asyncio.subprocess.Process:
+        """Start worker ``i`` (``local-i``, on worker i's cores): at start-up, or again after it
+        died (it registers as a new worker; a test or a chaos run kills and replaces workers)."""
+        if self.keys is None:
+            raise LocalClusterError("the embedded cluster is not running")
+        extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
+        cmd = self._command(
+            "worker",
+            "--coordinator", self.address,
+            "--device", self.device,
+            "--name", f"local-{i}",
+            "--key", str(self.keys / "secret" / "local-workers.key_secret"),
+            "--coordinator-key", str(self.keys / "coordinator.key"),
+            *(["--cpus", ",".join(map(str, self.cores[i]))] if self.cores else
+              ["--threads", str(self.threads_per_worker)]),
+            *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
+            *(["--max-loras", str(self.max_loras)] if self.max_loras else []),
+            *(["--max-lora-rank", str(self.max_lora_rank)] if self.max_lora_rank else []),
+            *(["--sampler", self.sampler] if self.sampler else []),
+            *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
+            *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
+            *extra,
+        )  # fmt: skip
+        process = await asyncio.create_subprocess_exec(*cmd)
+        self.worker_processes.append(process)
+        return process
 
     async def _stop(self) -> None:
         if self.client is not None:

@@ -139,7 +139,9 @@ class Place:
 class Recover:
     """The job's home was lost and the job lives on, on ``worker_id``: its state is rebuilt there
     by a ``restore`` call, which the server submits (``front=True``) when ``restore`` is set (it is
-    not when one is already pending). Its calls that were running there are queued again."""
+    not when one is already pending, or the job never finished opening). Its calls that were
+    running there are queued again. ``worker_id`` "": no worker can take it now; it waits (up to
+    the scheduler's ``recovery_wait_s``) for one to join, and then gets another ``Recover``."""
 
     job_id: str
     worker_id: str
@@ -262,16 +264,18 @@ LOST = "its unsaved training state is gone: open the job again and load its last
 class Scheduler:
     """``handle(event, now)`` returns the actions the server must carry out, in order."""
 
-    def __init__(self, policy: str = "fifo") -> None:
+    def __init__(self, policy: str = "fifo", recovery_wait_s: float = 300.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
+        self.recovery_wait_s = recovery_wait_s  # a job whose worker was lost waits this long for another
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[str, _Job] = {}
         self._calls: dict[int, _Call] = {}
         self._ran_on: dict[int, str] = {}  # running call -> the worker it runs on (its slot)
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
+        self._homeless: dict[str, tuple[float, str]] = {}  # job -> (since, why) while no worker can take it
         self.ledger = Ledger()
 
     # -- queries (for status and accounting) ----------------------------------------------------
@@ -285,8 +289,8 @@ class Scheduler:
         return bool(job and any(job.running.values()))
 
     def has_waiting(self) -> bool:
-        """Some job waits for its state to be moved in (a ``Tick`` may now matter)."""
-        return bool(self._waiting)
+        """Some job waits for its state to be moved in, or for a worker (a ``Tick`` may now matter)."""
+        return bool(self._waiting or self._homeless)
 
     def busy_s(self, worker_id: str, now: float) -> float:
         return self.ledger.busy_s(worker_id, now)
@@ -336,6 +340,8 @@ class Scheduler:
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
+                for job_id in sorted(self._homeless):  # jobs that lost their worker and wait for one
+                    actions += self._rehome(self._jobs[job_id], now)
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
@@ -349,6 +355,7 @@ class Scheduler:
                 job = self._jobs.get(job_id)
                 if job is not None and job.unfinished:  # nothing is left to run them on
                     actions += self._lose_job(job, JobClosedError(f"job {job_id} was closed before the call ran"), now)
+                self._homeless.pop(job_id, None)
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
@@ -363,6 +370,13 @@ class Scheduler:
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 touched = self._swap_done(job_id, seconds, moved_bytes, ok)
             case Tick():  # only workers with a job waiting for room can change anything
+                for job_id, (since, why) in sorted(self._homeless.items()):
+                    if now - since >= self.recovery_wait_s:
+                        del self._homeless[job_id]
+                        error = WorkerLostError(
+                            f"{why}, and no worker could take it over within {self.recovery_wait_s:g} s"
+                        )
+                        actions += self._lose_job(self._jobs[job_id], error, now)
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)
@@ -538,23 +552,20 @@ class Scheduler:
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
-            if job.recoverable and job.sampler == job.home == worker_id:
+            opening = any(self._calls[c].kind == "open" for c in job.unfinished)  # no state exists yet
+            if (job.recoverable or opening) and job.sampler == job.home == worker_id:
                 actions += self._recover(job, worker_id, lost, now)
             else:
                 actions += self._lose_job(job, WorkerLostError(f"{lost}; {LOST}"), now)
-        homes = {a.worker_id for a in actions if isinstance(a, Recover)}
+        homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id}
         for home in sorted(homes):  # a re-queued restore starts there (a new one is submitted and starts then)
             actions += self._dispatch(self._workers[home], now)
         return actions
 
     def _recover(self, job: _Job, lost_worker: str, lost: str, now: float) -> list[Action]:
-        """Re-home a recoverable job whose worker was lost: its running calls are queued again
-        behind a ``restore`` (the one already pending, if any) on its new home."""
-        chosen = self._choose(job.state.state_bytes, job.base, False, now)
-        if isinstance(chosen, NoWorkersError):
-            return self._lose_job(
-                job, WorkerLostError(f"{lost}, and no worker can take it over: {chosen.message}"), now
-            )
+        """A job whose worker was lost lives on: its running calls are queued again, behind a
+        ``restore`` (the one already pending, if any) on a new home, or behind its own ``open``
+        if it never finished opening (nothing of it existed: opening it there is all it takes)."""
         for lane in (SAMPLER, TRAINER):
             for call_id in sorted(job.running[lane]):
                 self._enqueue(job, self._calls[call_id])
@@ -562,17 +573,29 @@ class Scheduler:
                 self.ledger.call_finished(lost_worker, job.job_id, now)
             job.running[lane].clear()
         self._waiting.discard(job.job_id)
+        job.home = job.sampler = ""
+        job.state = Residency(job.state.state_bytes, rs.HOST)  # made on the device by its restore (or open)
+        job.rebuilding = "open" not in {self._calls[c].kind for c in job.unfinished}
+        self._homeless[job.job_id] = (now, lost)
+        actions = self._rehome(job, now)
+        return actions or [Recover(job.job_id, "", restore=False)]  # it waits for a worker
+
+    def _rehome(self, job: _Job, now: float) -> list[Action]:
+        """Place a job that lost its worker, if a worker can take it now."""
+        chosen = self._choose(job.state.state_bytes, job.base, False, now)
+        if isinstance(chosen, NoWorkersError):
+            return []
+        del self._homeless[job.job_id]
         job.home = job.sampler = chosen.worker_id
         chosen.jobs.add(job.job_id)
-        job.state = Residency(job.state.state_bytes, rs.HOST)  # made on the device by its restore
-        job.rebuilding = True
-        pending = any(self._calls[c].kind == "restore" for c in job.unfinished)
-        return [Recover(job.job_id, chosen.worker_id, restore=not pending)]
+        kinds = {self._calls[c].kind for c in job.unfinished}
+        return [Recover(job.job_id, chosen.worker_id, restore=not kinds & MAKES_STATE)]
 
     def _lose_job(self, job: _Job, error: PlexError, now: float) -> list[Action]:
         """The job cannot go on: fail its calls (and every later one) with ``error``; the slots
         its running calls held on surviving workers may start other jobs' calls."""
         job.lost = error
+        self._homeless.pop(job.job_id, None)
         actions: list[Action] = []
         for call_id in sorted(job.unfinished):
             self._calls.pop(call_id, None)

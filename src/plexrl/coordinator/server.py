@@ -147,6 +147,7 @@ class CoordinatorConfig:
     # Jobs whose state is at most this many bytes survive the loss of their worker (colocated jobs:
     # snapshots at every optim_step, kept here with the calls since); 0: none do.
     snapshot_max_bytes: int = 32 << 20
+    recovery_wait_s: float = 300.0  # such a job waits this long for a worker that can take it, then fails
     # A worker running a call whose engine makes no progress this long is hung: declared lost.
     # Longer than any one step of work (a model load, one forward or backward); 0: never.
     hang_timeout_s: float = 600.0
@@ -161,7 +162,7 @@ class Coordinator:
         self._now = config.clock
         self._started = self._now()
         self._codec: Codec[m.ToCoordinator] = Codec(m.ToCoordinator, max_bytes=config.max_message_bytes)
-        self._scheduler = sch.Scheduler(config.policy)
+        self._scheduler = sch.Scheduler(config.policy, recovery_wait_s=config.recovery_wait_s)
         self._workers: dict[str, _WorkerRecord] = {}
         self._worker_by_ident: dict[bytes, str] = {}
         self._jobs: dict[str, _JobRecord] = {}
@@ -711,7 +712,10 @@ class Coordinator:
         """The scheduler moved ``job`` to ``worker_id``: its calls that ran on the lost worker are
         queued again, behind a restore from what ``_keep_for_recovery`` kept (submitted here,
         unless one is already pending)."""
-        log.warning("job %s moves to worker %s (its worker was lost): restoring it there", job.job_id, worker_id)
+        if worker_id:
+            log.warning("job %s moves to worker %s (its worker was lost)", job.job_id, worker_id)
+        else:
+            log.warning("job %s lost its worker and waits for one that can take it", job.job_id)
         job.worker_id = worker_id
         for rec in self._calls.values():
             if rec.job_id == job.job_id:
