@@ -211,7 +211,7 @@ def lane_of(kind: str) -> str:
 
 
 @dataclass(slots=True)
-class _Job:
+class _ScheduledJob:
     job_id: str
     home: str
     state: Residency
@@ -270,7 +270,7 @@ class Scheduler:
         self.policy = policy
         self.recovery_wait_s = recovery_wait_s  # a job whose worker was lost waits this long for another
         self._workers: dict[str, _Worker] = {}
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _ScheduledJob] = {}
         self._calls: dict[int, _Call] = {}
         self._ran_on: dict[int, str] = {}  # running call -> the worker it runs on (its slot)
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
@@ -404,7 +404,7 @@ class Scheduler:
                 others = [w for w in others if not w.jobs and not w.samplers]
             sampler = min(others, key=lambda w: (len(w.samplers), len(w.jobs)))
             sampler.samplers.add(job_id)
-        job = _Job(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
+        job = _ScheduledJob(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
         job.sampler = sampler.worker_id
         self._jobs[job_id] = job
         if fits:
@@ -538,7 +538,7 @@ class Scheduler:
             job.barriers.discard(call_id)
             del self._calls[call_id]
 
-    def _enqueue(self, job: _Job, call: _Call) -> None:
+    def _enqueue(self, job: _ScheduledJob, call: _Call) -> None:
         """Into its lane's queue, which stays in the job's order (a front call goes first)."""
         bisect.insort(job.queues[call.lane], call.call_id, key=lambda c: self._calls[c].seq)
 
@@ -562,7 +562,7 @@ class Scheduler:
             actions += self._dispatch(self._workers[home], now)
         return actions
 
-    def _recover(self, job: _Job, lost_worker: str, lost: str, now: float) -> list[Action]:
+    def _recover(self, job: _ScheduledJob, lost_worker: str, lost: str, now: float) -> list[Action]:
         """A job whose worker was lost lives on: its running calls are queued again, behind a
         ``restore`` (the one already pending, if any) on a new home, or behind its own ``open``
         if it never finished opening (nothing of it existed: opening it there is all it takes)."""
@@ -580,7 +580,7 @@ class Scheduler:
         actions = self._rehome(job, now)
         return actions or [Recover(job.job_id, "", restore=False)]  # it waits for a worker
 
-    def _rehome(self, job: _Job, now: float) -> list[Action]:
+    def _rehome(self, job: _ScheduledJob, now: float) -> list[Action]:
         """Place a job that lost its worker, if a worker can take it now."""
         chosen = self._choose(job.state.state_bytes, job.base, False, now)
         if isinstance(chosen, NoWorkersError):
@@ -591,7 +591,7 @@ class Scheduler:
         kinds = {self._calls[c].kind for c in job.unfinished}
         return [Recover(job.job_id, chosen.worker_id, restore=not kinds & MAKES_STATE)]
 
-    def _lose_job(self, job: _Job, error: PlexError, now: float) -> list[Action]:
+    def _lose_job(self, job: _ScheduledJob, error: PlexError, now: float) -> list[Action]:
         """The job cannot go on: fail its calls (and every later one) with ``error``; the slots
         its running calls held on surviving workers may start other jobs' calls."""
         job.lost = error
@@ -626,7 +626,7 @@ class Scheduler:
             victim = self._victim(worker, None, now)
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
-        entries: list[tuple[_Job, list[_Call]]] = []
+        entries: list[tuple[_ScheduledJob, list[_Call]]] = []
         for job_id in worker.jobs | worker.samplers:
             job = self._jobs[job_id]
             for lane in job.lanes_on(worker.worker_id):
@@ -682,7 +682,7 @@ class Scheduler:
                 actions.append(self._move(worker, victim, rs.HOST))
         return actions
 
-    def _startable(self, job: _Job, lane: str) -> list[_Call]:
+    def _startable(self, job: _ScheduledJob, lane: str) -> list[_Call]:
         """The calls of ``job``'s ``lane`` that may start now, in the order they should.
 
         Trainer lane: its head, when nothing of the lane runs; a barrier only once every earlier
@@ -704,13 +704,13 @@ class Scheduler:
         calls = [self._calls[c] for c in queue if first_barrier is None or self._calls[c].seq < first_barrier]
         return sorted(calls, key=lambda c: (c.priority, c.seq))
 
-    def _plex_rank(self, job: _Job, call: _Call, now: float) -> tuple[bool, bool, float, int]:
+    def _plex_rank(self, job: _ScheduledJob, call: _Call, now: float) -> tuple[bool, bool, float, int]:
         """Resident first; then calls that unblock a stage; then the job furthest below its weighted
         fair share of accelerator-seconds; then the oldest call."""
         served = self.ledger.accelerator_s(job.job_id, now) / job.weight
         return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
 
-    def _victim(self, worker: _Worker, waiting: _Job | None, now: float) -> _Job | None:
+    def _victim(self, worker: _Worker, waiting: _ScheduledJob | None, now: float) -> _ScheduledJob | None:
         """The resident, idle job to move out so ``waiting`` can come in (or, with ``waiting`` None,
         so the device gets back under its budget), if any should go now. A closing job is not
         moved: its close frees its state (seen when a close had finished on the worker but the
@@ -730,7 +730,7 @@ class Scheduler:
                 return None
         return min(idle, key=lambda j: j.state.last_done_s if j.state.last_done_s is not None else -math.inf)
 
-    def _move(self, worker: _Worker, job: _Job, to: str) -> Swap:
+    def _move(self, worker: _Worker, job: _ScheduledJob, to: str) -> Swap:
         size = job.state.state_bytes
         worker.moving = _Move(job.job_id, to, size)
         self._moving[job.job_id] = worker.worker_id

@@ -72,7 +72,7 @@ class SimResult:
 
 
 @dataclass(slots=True)
-class _Job:
+class _SimJob:
     model: JobModel
     program: Iterator[Work | Wait]
     result: JobResult
@@ -141,12 +141,12 @@ class Simulation:
         self._seq = itertools.count()
         self._call_ids = itertools.count(1)
         self._devices = {f"w{i}": _Device() for i in range(workers)}
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _SimJob] = {}
         self._calls: dict[int, tuple[str, Work]] = {}  # submitted, not yet dispatched
         seeds = np.random.SeedSequence(seed).spawn(len(jobs))
         for i, (model, s) in enumerate(zip(jobs, seeds, strict=True)):
             job_id = f"{model.name}-{i}"
-            self._jobs[job_id] = _Job(model, program(model, np.random.default_rng(s)), JobResult(model.name))
+            self._jobs[job_id] = _SimJob(model, program(model, np.random.default_rng(s)), JobResult(model.name))
 
     def run(self, until_s: float = float("inf")) -> SimResult:
         for w in self._devices:

@@ -39,7 +39,7 @@ from plexrl.worker.progress import Progress
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.full import FullWeights
-from plexrl.worker.trainer.job import Job, Weights, check_spec
+from plexrl.worker.trainer.job import Weights, WorkerJob, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
 
 log = logging.getLogger("plexrl.worker")
@@ -61,7 +61,7 @@ class Engine:
         self.vllm_config = vllm_config or VllmConfig()
         self._models = ModelCache(self.device)
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[str, WorkerJob] = {}
         self._mover = memory.Mover(self.device)
         self.progress = Progress()  # ticked as calls advance (the heartbeat reports it)
         # Save / load paths: relative to root/<tenant> (a worker's); None: taken as given (in-process use).
@@ -140,7 +140,7 @@ class Engine:
             return path
         return checkpoint.confined(self.checkpoint_root, self._tenants.get(job_id, SHARED), path)
 
-    def _resident(self, job: Job, job_id: str, call: Call) -> None:
+    def _resident(self, job: WorkerJob, job_id: str, call: Call) -> None:
         """The scheduler moves state in before a call; this is the safety net if it did not."""
         if job.host_state is not None:
             log.warning(
@@ -148,7 +148,7 @@ class Engine:
             )
             self._mover.to_device(job)
 
-    def _job(self, job_id: str) -> Job:
+    def _job(self, job_id: str) -> WorkerJob:
         job = self._jobs.get(job_id)
         if job is None:
             raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
@@ -172,7 +172,7 @@ class Engine:
             if spec.lora is None
             else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
         )
-        job = Job(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
+        job = WorkerJob(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
         if 0 < planned_state_bytes(job) <= call.snapshot_max_bytes:
             job.take_snapshots()
         self._jobs[job_id] = job

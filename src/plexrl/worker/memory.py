@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from plexrl.worker.trainer.job import Job
+    from plexrl.worker.trainer.job import WorkerJob
 
 DEVICE, HOST = "device", "host"
 
@@ -73,7 +73,7 @@ def _entry_ref(state: dict[str, object], key: str) -> _Ref:
     return _Ref(get, put, placeholder=True)
 
 
-def state_refs(job: Job) -> dict[str, _Ref]:
+def state_refs(job: WorkerJob) -> dict[str, _Ref]:
     """Every movable tensor of ``job``, in the order a move *in* restores them (parameters first:
     a gradient must match its parameter's shape)."""
     weights = job.weights
@@ -91,7 +91,7 @@ def state_refs(job: Job) -> dict[str, _Ref]:
     return refs
 
 
-def planned_state_bytes(job: Job) -> int:
+def planned_state_bytes(job: WorkerJob) -> int:
     """What the job's state takes on the device once it has stepped: trainer weights, their
     gradients and two AdamW moments, plus the hf sampler's copy (none when vLLM samples)."""
     trainer = sum(p.numel() * p.element_size() for p in job.weights.trainer_params.values())
@@ -107,7 +107,7 @@ class Mover:
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
 
-    def to_host(self, job: Job) -> Moved:
+    def to_host(self, job: WorkerJob) -> Moved:
         if job.host_state is not None:
             return Moved(HOST, 0, 0.0)
         start = time.perf_counter()
@@ -121,7 +121,7 @@ class Mover:
         job.host_state = store
         return Moved(HOST, sum(t.nbytes for t in store.values()), time.perf_counter() - start)
 
-    def to_device(self, job: Job) -> Moved:
+    def to_device(self, job: WorkerJob) -> Moved:
         store = job.host_state
         if store is None:
             return Moved(DEVICE, 0, 0.0)

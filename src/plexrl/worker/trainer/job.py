@@ -95,7 +95,7 @@ def check_spec(spec: JobSpec) -> None:
         raise InvalidRequestError(f"max_staleness={spec.max_staleness} must be >= 0 (0 = strictly on-policy)")
 
 
-class Job:
+class WorkerJob:
     """One open job: its weights, its optimizer and its counters; one method per call kind."""
 
     def __init__(
