@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds such a job whose worker died waits for another worker to take it before its calls fail",
     )
     p.add_argument(
+        "--journal",
+        help="a file (SQLite) recording jobs: a coordinator started again with it resumes them "
+        "(jobs within --snapshot-max-bytes; their clients reconnect by themselves)",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=float,
         default=600.0,
@@ -239,6 +244,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         hang_timeout_s=args.hang_timeout,
         snapshot_max_bytes=args.snapshot_max_bytes,
         recovery_wait_s=args.recovery_wait,
+        journal=args.journal,
         max_calls_per_tenant=args.max_calls_per_tenant,
         max_bytes_per_tenant=args.max_bytes_per_tenant,
         bind=args.bind,

@@ -30,10 +30,12 @@ __all__ = [
     "NotJobOwnerError",
     "PlexError",
     "ProtocolVersionError",
+    "ResultLostError",
     "SamplerUnavailableError",
     "StaleSamplesError",
     "TooManyCallsError",
     "TrajectoryError",
+    "UnknownClientError",
     "UnknownJobError",
     "WorkerLostError",
     "from_wire",
@@ -178,6 +180,21 @@ class CoordinatorLostError(PlexError, ConnectionError):
     """The coordinator stopped answering heartbeats, or shut down."""
 
     code = "coordinator_lost"
+
+
+class ResultLostError(CoordinatorLostError):
+    """The coordinator restarted after the call ran and before its result reached you. The
+    message says whether the call changed the job (an optimizer step applied: do not repeat it)
+    and where the job stands; calls the restarted coordinator had not seen are sent again instead."""
+
+    code = "result_lost"
+
+
+class UnknownClientError(PlexError, ConnectionError):
+    """This connection has not said Hello to the coordinator (it restarted, or declared the client
+    gone): the client library says Hello again, reattaches its jobs and sends their calls again."""
+
+    code = "unknown_client"
 
 
 class SamplerUnavailableError(PlexError, RuntimeError):

@@ -46,7 +46,7 @@ RAW_KEYS = itertools.count()
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
-    """A tenant of its own: a client key issued to the running cluster just now."""
+    """A tenant of its own: a client key issued to the running cluster just now (it said Hello)."""
     assert embedded.keys is not None
     key = auth.add_key(embedded.keys, f"raw-{next(RAW_KEYS)}", "client")
     ctx = zmq.asyncio.Context()
@@ -54,6 +54,8 @@ async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[z
     sock.setsockopt(zmq.LINGER, 0)
     auth.Credentials.load(key, embedded.keys / "coordinator.key").apply(sock)
     sock.connect(cluster.address)
+    _send(sock, m.Hello(rid=1))
+    assert isinstance(await _reply(sock), m.Welcome)
     yield sock
     sock.close()
     ctx.term()
@@ -123,6 +125,33 @@ async def test_an_oversized_message_gets_an_error_and_a_huge_one_is_dropped(
     _send(raw, m.Submit(rid=9, job_id="x", call=calls.Logprobs(tokens=Ragged.from_rows([huge], "int32"))))
     assert await _reply(raw, timeout_s=1.5) is None
     await _still_serving(cluster)
+
+
+async def test_a_connection_that_did_not_say_hello_is_told_to(embedded: plexrl.LocalCluster, cluster: Client) -> None:
+    """What a client hears from a coordinator that restarted (or declared it gone): it says Hello
+    again and reattaches its jobs (tests/integration/test_coordinator_restart.py)."""
+    assert embedded.keys is not None
+    key = auth.add_key(embedded.keys, f"raw-{next(RAW_KEYS)}", "client")
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.Credentials.load(key, embedded.keys / "coordinator.key").apply(sock)
+    sock.connect(cluster.address)
+    try:
+        _send(sock, m.StatusRequest(rid=3))
+        reply = await _reply(sock)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "unknown_client" and reply.rid == 3
+        _send(sock, m.Heartbeat())
+        beat = await _reply(sock)
+        assert isinstance(beat, m.Heartbeat) and not beat.known
+        _send(sock, m.Hello(rid=4))
+        assert isinstance(await _reply(sock), m.Welcome)
+        _send(sock, m.Heartbeat())
+        beat = await _reply(sock)
+        assert isinstance(beat, m.Heartbeat) and beat.known
+    finally:
+        sock.close()
+        ctx.term()
 
 
 async def test_calls_on_unknown_or_foreign_jobs_are_refused(

@@ -16,6 +16,7 @@ from plexrl.coordinator.scheduler import (
     Fail,
     JobClosed,
     JobOpened,
+    JobResumed,
     JobSized,
     Place,
     Recover,
@@ -209,6 +210,21 @@ def test_a_recoverable_job_moves_to_another_worker_and_runs_its_restore_before_a
         (6, WorkerLostError),
     ]
     assert all("no worker could take it over within 300 s" in str(a.error) for a in lost if isinstance(a, Fail))
+
+
+def test_a_job_resumed_from_the_journal_waits_for_a_worker_and_restores_before_its_calls_run() -> None:
+    s = Scheduler()
+    assert s.handle(JobResumed("a", 100), 0.0) == [Recover("a", "", restore=False)]  # no worker yet
+    assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.5) == []  # its client's calls wait
+    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0")]  # the server submits the restore
+    assert s.handle(CallSubmitted(2, "a", "restore", front=True), 1.0) == [Dispatch(2, "w0")]
+    assert s.handle(CallFinished(2), 2.0) == [Dispatch(1, "w0")]
+    # No worker within the recovery wait: the resumed job is lost, its calls fail.
+    s.handle(JobResumed("b", 100), 3.0)
+    s.handle(WorkerLost("w0", "test"), 3.0)
+    s.handle(CallSubmitted(3, "b", "generate"), 3.0)
+    lost = s.handle(Tick(), 3.0 + s.recovery_wait_s)
+    assert {(a.job_id, a.call_id) for a in lost if isinstance(a, Fail)} == {("a", 1), ("b", 3)}
 
 
 def test_a_job_whose_worker_died_while_it_opened_opens_on_another() -> None:

@@ -2,8 +2,16 @@
 
 Requests are sent the moment they are made (so one job's calls reach the coordinator in the
 order the script made them) and return an ``asyncio.Future``. A receive loop resolves futures;
-a heartbeat loop declares the coordinator lost after ``liveness`` silent intervals and fails
-every pending future with :class:`CoordinatorLostError`, so no await can hang forever.
+a heartbeat loop notices a silent coordinator after ``liveness`` intervals.
+
+A coordinator that restarts (with a journal) or that declared this client gone does not know
+the connection any more: the client *resumes*. It says Hello again (waiting up to
+``reconnect_s`` for a coordinator to answer), reattaches each of its open jobs, and settles each
+unanswered call by the job's commit point (``Reattached.committed_seq``): a call the job has not
+seen is sent again, the last call it holds gets its journaled result, and an older call whose
+result was lost fails with :class:`ResultLostError` (saying whether it was applied). Requests
+made meanwhile wait and go out after. If no coordinator answers, every pending future fails with
+:class:`CoordinatorLostError`, so no await can hang forever.
 """
 
 from __future__ import annotations
@@ -16,13 +24,22 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
 
-from plexrl.errors import CallTimeoutError, CoordinatorLostError, PlexError, from_wire
+from plexrl.errors import (
+    CallTimeoutError,
+    CoordinatorLostError,
+    PlexError,
+    ResultLostError,
+    UnknownClientError,
+    UnknownJobError,
+    from_wire,
+)
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
@@ -50,6 +67,18 @@ DEADLINES_S: dict[str, float] = {
     "close": 600.0,
     "open_job": 900.0,
 }
+STATEFUL_KINDS = frozenset({"forward_backward", "optim_step", "sync_weights", "load"})  # they change a job
+
+
+@dataclass(eq=False)
+class _Request:
+    """An unanswered request; sent again, under a new request id, when the client resumes."""
+
+    msg: msgspec.Struct  # as the caller made it
+    fut: asyncio.Future[Any]
+    unwrap: Callable[[Any], Any]
+    rid: int = 0  # its request id once sent (0: not sent yet)
+    resuming: bool = False  # made by the resume itself (sent at once, never held or re-sent)
 
 
 class Client:
@@ -64,8 +93,12 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: auth.Credentials | None = None,
         deadlines: dict[str, float] | None = None,
+        reconnect_s: float = 120.0,
     ) -> None:
         self.address = address
+        # How long a client whose coordinator went silent (or forgot it) waits for one to answer
+        # again (a restart with a journal) before it fails every pending call; 0: it fails at once.
+        self.reconnect_s = reconnect_s
         # Per call kind ("generate", "forward_backward", ..., "open_job"): seconds until
         # CallTimeoutError; a kind missing here waits for its reply (or the coordinator's loss).
         self.deadlines = {**DEADLINES_S, **(deadlines or {})}
@@ -77,7 +110,10 @@ class Client:
         self.client_id = ""
         self._codec: Codec[m.CoordinatorToClient] = Codec(m.CoordinatorToClient, max_bytes=max_message_bytes)
         self._rids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], Any]]] = {}
+        self._pending: dict[int, _Request] = {}  # sent, by request id
+        self._held: list[_Request] = []  # made while resuming: sent once it is done
+        self._resume: asyncio.Task[None] | None = None
+        self.jobs: dict[str, Job] = {}  # this client's open jobs (a resume reattaches them)
         self._dead: PlexError | None = None
         self._liveness: Liveness | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -157,54 +193,78 @@ class Client:
     ) -> asyncio.Future[T]:
         """Send ``msg`` now (with a fresh request id) and return the future of its reply; past
         ``deadline_s`` the request is cancelled at the coordinator and fails with CallTimeoutError."""
+        return self._request(msg, unwrap, deadline_s)
+
+    def _request(
+        self, msg: msgspec.Struct, unwrap: Callable[[Any], T], deadline_s: float | None = None, resuming: bool = False
+    ) -> asyncio.Future[T]:
         if self._dead is not None:
             raise type(self._dead)(self._dead.message)
         if self._pump is None:
             raise CoordinatorLostError("the client is not connected: use `async with plexrl.connect(...)`")
-        rid = next(self._rids)
-        frames = self._codec.encode(msgspec.structs.replace(msg, rid=rid))
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        try:
-            self._pump.send(frames)
-        except zmq.ZMQError as e:  # EAGAIN: 100k messages queued and the coordinator reads none
-            raise CoordinatorLostError(f"could not send to the coordinator at {self.address}: {e}") from None
-        self._pending[rid] = (fut, unwrap)
-        fut.add_done_callback(functools.partial(self._on_done, rid))
+        req = _Request(msg, fut, unwrap, resuming=resuming)
+        if self._resume is None or resuming:
+            self._send(req)
+        else:
+            self._held.append(req)  # after the resume, in order
+        fut.add_done_callback(functools.partial(self._on_done, req))
         if deadline_s is not None:
-            timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, rid, type(msg).__name__, deadline_s)
+            timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, req, deadline_s)
             fut.add_done_callback(lambda _: timer.cancel())
         return fut
 
-    def _expire(self, rid: int, what: str, deadline_s: float) -> None:
-        entry = self._pending.pop(rid, None)
-        if entry is None or entry[0].done():
+    def _send(self, req: _Request) -> None:
+        assert self._pump is not None
+        rid = next(self._rids)
+        try:
+            self._pump.send(self._codec.encode(msgspec.structs.replace(req.msg, rid=rid)))
+        except zmq.ZMQError as e:  # EAGAIN: 100k messages queued and the coordinator reads none
+            raise CoordinatorLostError(f"could not send to the coordinator at {self.address}: {e}") from None
+        req.rid = rid
+        self._pending[rid] = req
+
+    def _drop(self, req: _Request) -> bool:
+        """Stop tracking ``req``; True if it had been sent (so the coordinator may hold it)."""
+        if req in self._held:
+            self._held.remove(req)
+        return self._pending.pop(req.rid, None) is req
+
+    def _expire(self, req: _Request, deadline_s: float) -> None:
+        if req.fut.done():
             return
-        self._send_cancel(rid)  # dropped if queued, aborted if running (a vLLM generate)
-        entry[0].set_exception(
+        if self._drop(req):
+            self._send_cancel(req.rid)  # dropped if queued, aborted if running (a vLLM generate)
+        what = type(req.msg).__name__
+        req.fut.set_exception(
             CallTimeoutError(f"{what} got no answer within its deadline of {deadline_s:g} s (Client.deadlines)")
         )
 
     def abort(self, fut: asyncio.Future[Any]) -> None:
         """Abort the call behind ``fut`` and keep waiting for its outcome: ``CallAbortedError`` if
         it was still queued or its engine could stop it (a vLLM generate), else its result."""
-        rid = next((r for r, (f, _) in self._pending.items() if f is fut), None)
+        rid = next((r for r, req in self._pending.items() if req.fut is fut), None)
         if rid is not None:
             self._send_cancel(rid)
 
-    def _on_done(self, rid: int, fut: asyncio.Future[Any]) -> None:
+    def _on_done(self, req: _Request, fut: asyncio.Future[Any]) -> None:
         """A request the caller cancelled is cancelled at the coordinator too (dropped if queued,
         aborted if running), so a job's later calls do not wait behind it."""
-        if fut.cancelled() and self._pending.pop(rid, None) is not None:
-            self._send_cancel(rid)
+        if fut.cancelled() and self._drop(req):
+            self._send_cancel(req.rid)
 
     def _send_cancel(self, rid: int) -> None:
         if self._pump is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._pump.send(self._codec.encode(m.Cancel(rid=next(self._rids), call_rid=rid)))
 
-    def submit(self, job_id: str, call: calls.Call, result_type: type[T], priority: int = 0) -> asyncio.Future[T]:
+    def submit(
+        self, job_id: str, call: calls.Call, result_type: type[T], priority: int = 0, seq: int = 0
+    ) -> asyncio.Future[T]:
+        """Submit ``call`` to the job, as its ``seq``-th call (its ``Job`` numbers them)."""
         deadline = self.deadlines.get(calls.CALL_KIND[type(call)])
-        return self.request(m.Submit(job_id=job_id, call=call, priority=priority), expect_result(result_type), deadline)
+        submit = m.Submit(job_id=job_id, call=call, priority=priority, seq=seq)
+        return self.request(submit, expect_result(result_type), deadline)
 
     async def open_job(
         self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
@@ -223,7 +283,7 @@ class Client:
         from plexrl.client.job import Job  # job.py imports this module
 
         done: m.Reattached = await self.request(m.Reattach(name=name), expect(m.Reattached))
-        return Job(self, done.job_id, done.name, done.spec, done.opened)
+        return Job(self, done.job_id, done.name, done.spec, done.opened, next_seq=done.next_seq)
 
     async def status(self, min_workers: int = 0) -> m.StatusReply:
         """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""
@@ -238,30 +298,33 @@ class Client:
             msg = self._codec.decode(frames)
         except PlexError as e:
             # The reply's request id is read before the body: its caller gets the error, not a hang.
-            entry = self._pending.pop(rid_of(e), None)
-            log.error("undecodable message from the coordinator%s: %s", " (failing its call)" if entry else "", e)
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(e)
+            req = self._pending.pop(rid_of(e), None)
+            log.error("undecodable message from the coordinator%s: %s", " (failing its call)" if req else "", e)
+            if req is not None and not req.fut.done():
+                req.fut.set_exception(e)
             return
         if isinstance(msg, m.Heartbeat):
+            if not msg.known:
+                self._start_resume("the coordinator does not know this client (it restarted, or declared it gone)")
             return
         if isinstance(msg, m.Shutdown):
             self._dead = CoordinatorLostError(f"{msg.reason} ({self.address})")
             self._fail_all(self._dead)
             return
-        entry = self._pending.pop(msg.rid, None)
-        if entry is None:
+        forgotten = isinstance(msg, m.ErrorReply) and msg.code == UnknownClientError.code
+        if forgotten and msg.rid in self._pending and not self._pending[msg.rid].resuming:
+            self._start_resume("the coordinator does not know this client (it restarted, or declared it gone)")
+            return  # the call stays pending: the resume settles it
+        req = self._pending.pop(msg.rid, None)
+        if req is None or req.fut.done():
             return  # the caller gave up on it (cancelled)
-        fut, unwrap = entry
-        if fut.done():
-            return
         if isinstance(msg, m.ErrorReply):
-            fut.set_exception(from_wire(msg.code, msg.message))
+            req.fut.set_exception(from_wire(msg.code, msg.message))
             return
         try:
-            fut.set_result(unwrap(msg))
+            req.fut.set_result(req.unwrap(msg))
         except PlexError as e:
-            fut.set_exception(e)
+            req.fut.set_exception(e)
 
     async def _heartbeat_loop(self, interval: float, liveness: int) -> None:
         self._liveness = live = Liveness(liveness)
@@ -270,20 +333,121 @@ class Client:
                 with contextlib.suppress(zmq.Again):  # a full queue: the liveness count decides
                     self._pump.send(self._codec.encode(m.Heartbeat()))
             await asyncio.sleep(interval)
-            if not live.tick():
-                err = CoordinatorLostError(
-                    f"the coordinator at {self.address} has not answered for {liveness} heartbeats "
-                    f"({interval * liveness:.1f} s); check that it is running, then reconnect"
-                )
-                self._dead = err
-                self._fail_all(err)
-                return
+            if self._resume is not None:
+                live.heard()  # the resume has a deadline of its own
+            elif not live.tick():
+                silent = f"the coordinator at {self.address} has not answered for {liveness} heartbeats"
+                if self.reconnect_s <= 0:
+                    err = CoordinatorLostError(f"{silent} ({interval * liveness:.1f} s); check that it is running")
+                    self._dead = err
+                    self._fail_all(err)
+                    return
+                self._start_resume(silent)
 
     def _fail_all(self, err: PlexError) -> None:
         pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(type(err)(err.message))
+        held, self._held = self._held, []
+        for req in [*pending.values(), *held]:
+            if not req.fut.done():
+                req.fut.set_exception(type(err)(err.message))
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def _start_resume(self, why: str) -> None:
+        if self._resume is None and self._dead is None:
+            log.warning("%s: reconnecting (for up to %g s)", why, self.reconnect_s)
+            self._resume = asyncio.create_task(self._resume_session(why), name="plexrl-client-resume")
+            self._tasks.append(self._resume)
+
+    async def _resume_session(self, why: str) -> None:
+        """Say Hello again, reattach every open job, settle the calls the old session left
+        unanswered, then send what was made meanwhile."""
+        old = dict(self._pending)  # sent to the coordinator that forgot them
+        held_jobs = set(self.jobs)
+        others = [r for r in old.values() if not (isinstance(r.msg, m.Submit) and r.msg.job_id in held_jobs)]
+        try:
+            async with asyncio.timeout(self.reconnect_s):
+                await self._request(m.Hello(client_name=self.name), expect(m.Welcome), resuming=True)
+                if self._liveness is not None:
+                    self._liveness.heard()
+                for job in list(self.jobs.values()):
+                    mine = [r for r in old.values() if isinstance(r.msg, m.Submit) and r.msg.job_id == job.job_id]
+                    try:
+                        again = m.Reattach(name=job.name, job_id=job.job_id)
+                        done = await self._request(again, expect(m.Reattached), resuming=True)
+                    except (UnknownJobError, UnknownClientError) as e:
+                        if isinstance(e, UnknownClientError):
+                            raise  # forgotten again (another restart): the next resume starts over
+                        self.jobs.pop(job.job_id, None)
+                        self._settle(mine, e)
+                        continue
+                    self._settle(mine, done)
+                for req in others:  # requests that are not calls of the jobs above
+                    if self._pending.get(req.rid) is not req or req.fut.done():
+                        continue
+                    if req.resuming:  # an earlier resume's, which gave up
+                        self._drop(req)
+                        req.fut.cancel()
+                        continue
+                    if isinstance(req.msg, m.StatusRequest):
+                        self._drop(req)
+                        self._send(req)
+                    else:
+                        self._drop(req)
+                        lost = f"{type(req.msg).__name__} was interrupted when {why}: do it again"
+                        req.fut.set_exception(CoordinatorLostError(lost))
+        except TimeoutError:
+            err = CoordinatorLostError(
+                f"{why}, and no coordinator answered within {self.reconnect_s:g} s (reconnect_s)"
+            )
+            self._dead = err
+            self._fail_all(err)
+            return
+        except UnknownClientError:
+            self._resume = None
+            self._start_resume("the coordinator forgot this client again while it resumed")
+            return
+        finally:
+            if self._resume is asyncio.current_task():
+                self._resume = None
+        log.warning("resumed: %d job(s) reattached", len(self.jobs))
+        held, self._held = self._held, []
+        for req in held:
+            if not req.fut.done():
+                self._send(req)
+
+    def _settle(self, requests: list[_Request], outcome: m.Reattached | PlexError) -> None:
+        """Settle a reattached job's unanswered calls by its commit point: a call it has not seen
+        goes again (a generate also when only calls that left its sampler's weights alone came
+        after it: same seed, same weights, same samples); the last call it holds gets the result
+        the journal kept; an older one's result is lost (``ResultLostError``, saying whether it
+        was applied). ``outcome`` an error: the job is gone, and so are its calls."""
+        for req in sorted(requests, key=lambda r: r.msg.seq if isinstance(r.msg, m.Submit) else 0):
+            if self._pending.get(req.rid) is not req or req.fut.done() or not isinstance(req.msg, m.Submit):
+                continue
+            self._drop(req)
+            if isinstance(outcome, PlexError):
+                req.fut.set_exception(type(outcome)(outcome.message))
+                continue
+            seq, kind = req.msg.seq, calls.CALL_KIND[type(req.msg.call)]
+            after = outcome.weights_seq if kind == "generate" else outcome.committed_seq
+            if seq > after:
+                self._send(req)
+            elif seq == outcome.committed_seq and outcome.committed is not None:
+                done = m.CallDone(job_id=outcome.job_id, result=outcome.committed)
+                try:
+                    req.fut.set_result(req.unwrap(done))
+                except PlexError as e:
+                    req.fut.set_exception(e)
+            else:
+                applied = "was applied" if kind in STATEFUL_KINDS else "ran"
+                req.fut.set_exception(
+                    ResultLostError(
+                        f"{kind} (call {seq} of job {outcome.job_id}) {applied} before the coordinator lost track "
+                        f"of this client, and its result was lost; the job holds your calls up to "
+                        f"{outcome.committed_seq}: go on from there"
+                    )
+                )
 
 
 def expect(t: type[T]) -> Callable[[Any], T]:
@@ -316,11 +480,17 @@ def connect(
     connect_timeout_s: float = 30.0,
     credentials: auth.Credentials | None = None,
     deadlines: dict[str, float] | None = None,
+    reconnect_s: float = 120.0,
 ) -> Client:
     """Connect to a shared coordinator: ``async with plexrl.connect("tcp://head:7400"):``.
 
     ``credentials``: your client key, ``plexrl.Credentials.load("alice.key_secret", "coordinator.key")``;
     by default ``$PLEXRL_KEY`` and ``$PLEXRL_COORDINATOR_KEY`` name those two files.
     ``deadlines``: seconds per call kind before ``CallTimeoutError`` (defaults: ``DEADLINES_S``).
+    ``reconnect_s``: how long to wait for a coordinator that went silent or restarted before
+    failing every pending call (its jobs and calls resume if it comes back with its journal).
     """
-    return Client(address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials, deadlines=deadlines)
+    return Client(
+        address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials, deadlines=deadlines,
+        reconnect_s=reconnect_s,
+    )  # fmt: skip

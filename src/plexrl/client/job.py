@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -44,13 +45,19 @@ class Optimized(msgspec.Struct, frozen=True):
 
 
 class Job:
-    def __init__(self, client: Client, job_id: str, name: str, spec: calls.JobSpec, opened: calls.Opened) -> None:
+    def __init__(
+        self, client: Client, job_id: str, name: str, spec: calls.JobSpec, opened: calls.Opened, next_seq: int = 1
+    ) -> None:
         self.client = client
         self.job_id = job_id
         self.name = name
         self.spec = spec
         self.trainable_params = opened.trainable_params
         self._closed = False
+        # Its calls' numbers in submission order: a generate's seed derives from its number (so
+        # a retry samples the same), and a resumed client learns which calls the job holds.
+        self._seqs = itertools.count(next_seq)
+        client.jobs[job_id] = self
 
     def __repr__(self) -> str:
         return f"Job({self.job_id!r}, model={self.spec.model!r})"
@@ -63,7 +70,7 @@ class Job:
         params = params or SamplingParams()
         params.validate()
         rows = prompts if isinstance(prompts, Ragged) else Ragged.from_rows(prompts, "int32")
-        return self.client.submit(self.job_id, calls.Generate(prompts=rows, params=params), calls.Generated, priority)
+        return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated, priority)
 
     def rollout(
         self,
@@ -153,10 +160,13 @@ class Job:
         if self._closed or self.client.lost:
             return
         self._closed = True
-        await self.client.submit(self.job_id, calls.Close(), calls.Closed)
+        try:
+            await self._submit(calls.Close(), calls.Closed)
+        finally:
+            self.client.jobs.pop(self.job_id, None)
 
-    def _submit(self, call: calls.Call, result_type: type[R]) -> asyncio.Future[R]:
-        return self.client.submit(self.job_id, call, result_type)
+    def _submit(self, call: calls.Call, result_type: type[R], priority: int = 0) -> asyncio.Future[R]:
+        return self.client.submit(self.job_id, call, result_type, priority, seq=next(self._seqs))
 
 
 @asynccontextmanager

@@ -53,6 +53,7 @@ class LocalCluster:
         client_grace_s: float | None = None,
         hang_timeout_s: float | None = None,
         snapshot_max_bytes: int | None = None,
+        journal: str | os.PathLike[str] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -79,6 +80,7 @@ class LocalCluster:
         self.client_grace_s = client_grace_s
         self.hang_timeout_s = hang_timeout_s  # a worker running a call without progress this long is lost
         self.snapshot_max_bytes = snapshot_max_bytes  # jobs up to this size survive their worker (0: none)
+        self.journal = journal  # the coordinator's journal: its jobs survive its restart (None: none)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -126,39 +128,17 @@ class LocalCluster:
         }
 
     async def _start(self) -> None:
-        extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
         self.keys = Path(tempfile.mkdtemp(prefix="plexrl-keys-"))  # mode 0700
         auth.init_dir(self.keys)
         auth.add_key(self.keys, "local-workers", "worker")
         auth.add_key(self.keys, "local", "admin")
-        self.coordinator = await asyncio.create_subprocess_exec(
-            *self._command(
-                "coordinator",
-                "--keys", str(self.keys),
-                "--bind", "tcp://127.0.0.1:0",
-                "--print-address",
-                "--heartbeat-interval", str(self.heartbeat_interval_s),
-                "--heartbeat-liveness", str(self.heartbeat_liveness),
-                "--policy", self.policy,
-                *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
-                *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
-                *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
-                *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
-                *extra,
-            ),
-            stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert self.coordinator.stdout is not None
-        line = await self.coordinator.stdout.readline()
-        if not line.startswith(b"tcp://"):
-            raise LocalClusterError(f"the coordinator did not start (exit code {await self.coordinator.wait()})")
-        self.address = line.decode().strip()
+        await self.start_coordinator()
         for i in range(self.workers):
             await self.start_worker(i)
         self.client = Client(self.address, credentials=self.credentials())
         await self.client.__aenter__()
         ready = asyncio.ensure_future(self.client.status(min_workers=self.workers))
-        exits = [asyncio.ensure_future(p.wait()) for p in [self.coordinator, *self.worker_processes]]
+        exits = [asyncio.ensure_future(p.wait()) for p in [self.coordinator, *self.worker_processes] if p is not None]
         try:
             done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -168,6 +148,38 @@ class LocalCluster:
             ready.cancel()
             raise LocalClusterError("a process of the embedded cluster exited while starting; see its log above")
         log.info("embedded cluster ready at %s with %d workers", self.address, self.workers)
+
+    async def start_coordinator(self) -> asyncio.subprocess.Process:
+        """Start the coordinator: at start-up on a free port, or again on the same address (and
+        journal) after it died (a test or a chaos run kills and restarts it; its clients and
+        workers reconnect by themselves)."""
+        if self.keys is None:
+            raise LocalClusterError("the embedded cluster is not running")
+        extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
+        self.coordinator = await asyncio.create_subprocess_exec(
+            *self._command(
+                "coordinator",
+                "--keys", str(self.keys),
+                "--bind", self.address or "tcp://127.0.0.1:0",
+                "--print-address",
+                "--heartbeat-interval", str(self.heartbeat_interval_s),
+                "--heartbeat-liveness", str(self.heartbeat_liveness),
+                "--policy", self.policy,
+                *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
+                *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
+                *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
+                *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
+                *(["--journal", os.fspath(self.journal)] if self.journal is not None else []),
+                *extra,
+            ),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert self.coordinator.stdout is not None
+        line = await self.coordinator.stdout.readline()
+        if not line.startswith(b"tcp://"):
+            raise LocalClusterError(f"the coordinator did not start (exit code {await self.coordinator.wait()})")
+        self.address = line.decode().strip()
+        return self.coordinator
 
     async def start_worker(self, i: int) -> asyncio.subprocess.Process:
         """Start worker ``i`` (``local-i``, on worker i's cores): at start-up, or again after it

@@ -57,6 +57,17 @@ class JobOpened:
 
 
 @dataclass(frozen=True, slots=True)
+class JobResumed:
+    """A job a restarted coordinator read from its journal: its state exists on no worker, so it is
+    placed like a recoverable job whose worker was lost (``Recover``, then a ``restore``)."""
+
+    job_id: str
+    state_bytes: int
+    weight: float = 1.0
+    base: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class JobSized:
     """The worker measured the job's state (known once its ``open`` ran); sent before that call's
     ``CallFinished``. State that outgrew the device's budget is moved out first thing."""
@@ -113,6 +124,7 @@ Event = (
     WorkerJoined
     | WorkerLost
     | JobOpened
+    | JobResumed
     | JobSized
     | JobClosed
     | CallSubmitted
@@ -347,6 +359,13 @@ class Scheduler:
                 actions += self._lose_worker(worker_id, reason, now)
             case JobOpened(job_id, state_bytes, weight, base, disaggregated):
                 actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
+            case JobResumed(job_id, state_bytes, weight, base):
+                job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight, base=base)
+                job.recoverable = job.rebuilding = True
+                self._jobs[job_id] = job
+                self.ledger.job_opened(job_id, now)
+                self._homeless[job_id] = (now, f"job {job_id} was resumed from the journal of a restarted coordinator")
+                actions += self._rehome(job, now) or [Recover(job_id, "", restore=False)]
             case JobSized(job_id, state_bytes, recoverable):
                 if job_id in self._jobs:
                     self._jobs[job_id].recoverable = recoverable

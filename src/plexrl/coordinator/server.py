@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from plexrl.coordinator import scheduler as sch
+from plexrl.coordinator.journal import JobRow, Journal
 from plexrl.errors import (
     CallAbortedError,
     CoordinatorLostError,
@@ -32,6 +33,7 @@ from plexrl.errors import (
     NotJobOwnerError,
     PlexError,
     TooManyCallsError,
+    UnknownClientError,
     UnknownJobError,
     WorkerLostError,
 )
@@ -51,6 +53,10 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # The others (open, save, load, ...) may load models or write files for long stretches: their
 # deadlines bound them.
 PROGRESSING = frozenset({"generate", "logprobs", "forward_backward", "optim_step"})
+# Calls that change a job's state: the last one done is its commit point (journaled, and what a
+# reattaching client hears); those that change what its sampler serves are also barriers.
+STATEFUL = (calls.ForwardBackward, calls.OptimStep, calls.SyncWeights, calls.Load)
+NEW_WEIGHTS = (calls.SyncWeights, calls.Load)
 _WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
 _CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.Reattach)
 
@@ -80,7 +86,13 @@ class _JobRecord:
     opened: calls.Opened | None = None  # what its opening returned (for a client that reattaches)
     suspended_at: float = 0.0
     open: calls.Open | None = None  # the call that opened it (a restore opens it again elsewhere)
-    generates: int = 0  # its generate calls so far: each gets a seed of its own if its caller set none
+    weight: float = 1.0
+    next_seq: int = 1  # the number (``Submit.seq``) its next call gets unless its client numbers it
+    # Its commit point: its state holds its calls up to number ``committed_seq``, the last of
+    # which returned ``committed``; ``weights_seq``: the last that changed what its sampler serves.
+    committed_seq: int = 0
+    committed: calls.Result | None = None
+    weights_seq: int = 0
     # Recovery (a colocated job whose open reported snapshots): the snapshot of its last optim_step
     # or load, and its forward_backward / sync_weights calls since, in order; a restore on another
     # worker rebuilds it from these when its worker is lost.
@@ -109,6 +121,7 @@ class _CallRecord:
     held: m.CallDone | None = None  # a disaggregated job's result, held while its sampler worker follows
     tenant: str = ""  # whose submitted call this is (counted against its limits)
     nbytes: int = 0  # its message's size
+    seq: int = 0  # its number in its job's order (``Submit.seq``)
 
 
 @dataclass
@@ -124,6 +137,10 @@ class _ReattachWaiter:
     rid: int
     tenant: str
     name: str
+    job_id: str = ""  # that job of the name ("": whichever)
+
+    def wants(self, job: _JobRecord) -> bool:
+        return (self.tenant, self.name) == (job.owner, job.name) and self.job_id in ("", job.job_id)
 
 
 @dataclass
@@ -151,6 +168,9 @@ class CoordinatorConfig:
     # A worker running a call whose engine makes no progress this long is hung: declared lost.
     # Longer than any one step of work (a model load, one forward or backward); 0: never.
     hang_timeout_s: float = 600.0
+    # A journal file (SQLite): jobs that survive the loss of their worker also survive a restart of
+    # the coordinator (started again with the same journal). None: a restart loses every job.
+    journal: str | None = None
 
 
 class Coordinator:
@@ -184,6 +204,9 @@ class Coordinator:
         self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
         self._peers: dict[bytes, _Peer] = {}  # connection -> its tenant
         self._hung: set[bytes] = set()  # call sockets of workers declared hung (told to exit)
+        self._journal = None if config.journal is None else Journal(config.journal)
+        if self._journal is not None:
+            self._job_ids = itertools.count(max(1, self._journal.counter("next_job")))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -208,6 +231,7 @@ class Coordinator:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = Pump(sock, self._on_frames)
         log.info("coordinator listening on %s", self.address)
+        self._resume_journaled()
         if on_ready is not None:
             on_ready(self.address)
         try:
@@ -222,6 +246,8 @@ class Coordinator:
             self._pump.close()
             if authenticator is not None:
                 authenticator.stop()
+            if self._journal is not None:
+                self._journal.close()
             ctx.term()
             log.info("coordinator stopped")
 
@@ -229,13 +255,47 @@ class Coordinator:
         self._stopping.set()
 
     def _fail_everything(self) -> None:
+        """Tell peers the coordinator is going. With a journal its clients are left waiting for the
+        one that resumes their jobs (they reconnect within ``Client.reconnect_s``)."""
+        for ident in self._worker_by_ident:
+            self._send(ident, m.Shutdown(reason="the coordinator shut down"))
+        if self._journal is not None:
+            return
         err = CoordinatorLostError("the coordinator shut down before the call finished")
         for rec in list(self._calls.values()):
             self._reply_error(rec.client, rec.client_rid, err)
         self._calls.clear()
         self._call_of.clear()
-        for ident in [*self._clients, *self._worker_by_ident]:
+        for ident in self._clients:
             self._send(ident, m.Shutdown(reason="the coordinator shut down"))
+
+    def _resume_journaled(self) -> None:
+        """Take back the jobs of the journal: each waits, suspended, for its client to reattach,
+        and is rebuilt on a worker (a ``restore`` from its snapshot and the calls since) as soon
+        as one can take it."""
+        if self._journal is None:
+            return
+        now = self._now()
+        for found in self._journal.jobs():
+            row = found.row
+            job = _JobRecord(
+                row.job_id, row.name, row.owner, "", row.open.spec, state="suspended", suspended_at=now,
+                opened=row.opened, open=row.open, weight=row.weight, next_seq=row.next_seq,
+                committed_seq=row.committed_seq, committed=row.committed, weights_seq=row.weights_seq,
+                recoverable=True, snapshot=found.snapshot, replay=found.replay,
+            )  # fmt: skip
+            self._jobs[job.job_id] = job
+            log.warning("job %s resumed from the journal (its calls up to %d)", job.job_id, job.committed_seq)
+            resumed = sch.JobResumed(job.job_id, row.opened.state_bytes, weight=row.weight, base=row.open.spec.model)
+            self._apply(resumed)
+
+    def _journal_row(self, job: _JobRecord) -> JobRow:
+        assert job.open is not None and job.opened is not None
+        return JobRow(
+            job_id=job.job_id, name=job.name, owner=job.owner, weight=job.weight, open=job.open, opened=job.opened,
+            committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
+            next_seq=job.next_seq,
+        )  # fmt: skip
 
     # -- loops ----------------------------------------------------------------------------------
 
@@ -330,7 +390,12 @@ class Coordinator:
                         rec.progress, rec.progress_at = msg.progress, self._now()
                     self._send(ident, m.Heartbeat(rid=rid))
             case m.Heartbeat(rid=rid):
-                self._send(ident, m.Heartbeat(rid=rid))
+                self._send(ident, m.Heartbeat(rid=rid, known=ident in self._clients))
+            case m.OpenJob() | m.Submit() | m.Cancel() | m.StatusRequest() | m.Reattach() if ident not in self._clients:
+                raise UnknownClientError(
+                    "this connection has not said Hello to this coordinator (it restarted, or declared your "
+                    "client gone): say Hello, then reattach your jobs (plexrl's client does both by itself)"
+                )
             case m.Hello(rid=rid):
                 beats = max(1, math.ceil(self.config.client_timeout_s / self.config.heartbeat_interval_s))
                 self._clients[ident] = Liveness(beats)
@@ -354,8 +419,8 @@ class Coordinator:
                     self._send(ident, self._status(rid, self._peers[ident]))
                 else:
                     self._waiters.append(_Waiter(ident, rid, n))
-            case m.Reattach(rid=rid, name=name):
-                self._reattach(ident, rid, name)
+            case m.Reattach(rid=rid, name=name, job_id=job_id):
+                self._reattach(ident, rid, name, job_id)
             case m.StateMoved():
                 self._on_state_moved(worker_id, msg)
             case m.CallDone() | m.ErrorReply():
@@ -398,7 +463,10 @@ class Coordinator:
             raise InvalidRequestError(f"job weight {msg.weight} must be > 0 (1.0 is an equal share)")
         if msg.placement not in PLACEMENTS:
             raise InvalidRequestError(f"placement {msg.placement!r}: choose one of {', '.join(PLACEMENTS)}")
-        job_id = f"{msg.name}-{next(self._job_ids)}"
+        number = next(self._job_ids)
+        job_id = f"{msg.name}-{number}"
+        if self._journal is not None:  # a restarted coordinator never reuses a job id
+            self._journal.set_counter("next_job", number + 1)
         call_id = next(self._call_ids)
         disaggregated = msg.placement == "disaggregated"
         snapshot_max_bytes = 0 if disaggregated else self.config.snapshot_max_bytes  # see Recover
@@ -410,7 +478,7 @@ class Coordinator:
             if isinstance(action, sch.Place):
                 self._jobs[job_id] = _JobRecord(
                     job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
-                    sampler_id=action.sampler_id, client=ident, open=open_call,
+                    sampler_id=action.sampler_id, client=ident, open=open_call, weight=msg.weight,
                 )  # fmt: skip
                 self._apply(sch.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
@@ -456,14 +524,16 @@ class Coordinator:
                 )
         if isinstance(msg.call, calls.Close):
             job.state = "closing"
-        call = msg.call
-        if isinstance(call, calls.Generate):  # seeded here, so a retry elsewhere samples the same
-            if call.params.seed is None:
-                params = msgspec.structs.replace(call.params, seed=calls.generate_seed(job.spec.seed, job.generates))
-                call = msgspec.structs.replace(call, params=params)
-            job.generates += 1
+        call, seq = msg.call, msg.seq or job.next_seq
+        job.next_seq = max(job.next_seq, seq + 1)
+        if isinstance(call, calls.Generate) and call.params.seed is None:
+            # Seeded by its number, so a retry (elsewhere, or after a restart) samples the same.
+            params = msgspec.structs.replace(call.params, seed=calls.generate_seed(job.spec.seed, seq))
+            call = msgspec.structs.replace(call, params=params)
         call_id = next(self._call_ids)
-        self._calls[call_id] = _CallRecord(call_id, job.job_id, ident, msg.rid, call, tenant=tenant, nbytes=nbytes)
+        self._calls[call_id] = _CallRecord(
+            call_id, job.job_id, ident, msg.rid, call, tenant=tenant, nbytes=nbytes, seq=seq
+        )
         self._calls_of_tenant[tenant] += 1
         self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
@@ -495,25 +565,39 @@ class Coordinator:
         for job in [j for j in self._jobs.values() if j.client == ident and j.state == "open"]:
             job.state, job.suspended_at = "suspended", self._now()
             log.warning("job %s suspended: its client went silent (grace %g s)", job.job_id, self.config.client_grace_s)
-            waiter = next((w for w in self._reattach_waiters if (w.tenant, w.name) == (job.owner, job.name)), None)
             if self.config.client_grace_s <= 0:
                 self._free(job, "its client went away (no grace period)")
-            elif waiter is not None:
-                self._reattach_waiters.remove(waiter)
-                self._attach(job, waiter.client, waiter.rid)
+            else:
+                self._serve_reattach(job)
         for job in [j for j in self._jobs.values() if j.client == ident and j.state == "lost"]:
             self._free(job, "its client went away")
 
-    def _reattach(self, ident: bytes, rid: int, name: str) -> None:
+    def _reattach(self, ident: bytes, rid: int, name: str, job_id: str) -> None:
         tenant = self._peers[ident].tenant
-        mine = [j for j in self._jobs.values() if j.owner == tenant and j.name == name]
+        mine = [j for j in self._jobs.values() if j.owner == tenant and j.name == name and job_id in ("", j.job_id)]
         suspended = [j for j in mine if j.state == "suspended"]
         if suspended:
-            self._attach(max(suspended, key=lambda j: j.suspended_at), ident, rid)
+            job = max(suspended, key=lambda j: j.suspended_at)
+            self._reattach_waiters.append(_ReattachWaiter(ident, rid, tenant, name, job.job_id))
+            self._serve_reattach(job)
         elif any(j.state == "open" and j.client != ident for j in mine):
-            self._reattach_waiters.append(_ReattachWaiter(ident, rid, tenant, name))  # once its client is gone
+            self._reattach_waiters.append(_ReattachWaiter(ident, rid, tenant, name, job_id))  # once its client is gone
         else:
-            raise UnknownJobError(f"no job named {name!r} of yours is open or suspended here: open it with plexrl.job")
+            raise UnknownJobError(
+                f"no job named {name!r}{f' ({job_id})' if job_id else ''} of yours is open or suspended here "
+                "(a coordinator restarted without --journal forgets its jobs): open it with plexrl.job"
+            )
+
+    def _serve_reattach(self, job: _JobRecord) -> None:
+        """Hand a suspended job to a client waiting to reattach it, once the calls of its old
+        client have finished (they may still change its state, and the commit point the new
+        client hears must count them)."""
+        if job.state != "suspended" or any(r.job_id == job.job_id and r.client for r in self._calls.values()):
+            return
+        waiter = next((w for w in self._reattach_waiters if w.wants(job)), None)
+        if waiter is not None:
+            self._reattach_waiters.remove(waiter)
+            self._attach(job, waiter.client, waiter.rid)
 
     def _attach(self, job: _JobRecord, ident: bytes, rid: int) -> None:
         if job.opened is None:  # it never finished opening
@@ -522,12 +606,17 @@ class Coordinator:
             return
         job.state, job.client = "open", ident
         log.info("job %s reattached", job.job_id)
-        self._send(ident, m.Reattached(rid=rid, job_id=job.job_id, name=job.name, spec=job.spec, opened=job.opened))
+        attached = m.Reattached(
+            rid=rid, job_id=job.job_id, name=job.name, spec=job.spec, opened=job.opened,
+            committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
+            next_seq=job.next_seq,
+        )  # fmt: skip
+        self._send(ident, attached)
 
     def _free(self, job: _JobRecord, reason: str) -> None:
         """Close a job no client holds (its replies go nowhere)."""
         log.warning("closing job %s: %s", job.job_id, reason)
-        for waiter in [w for w in self._reattach_waiters if (w.tenant, w.name) == (job.owner, job.name)]:
+        for waiter in [w for w in self._reattach_waiters if w.wants(job)]:
             self._reattach_waiters.remove(waiter)
             self._reply_error(waiter.client, waiter.rid, UnknownJobError(f"job {job.name!r} was closed: {reason}"))
         if job.state == "lost":
@@ -544,8 +633,7 @@ class Coordinator:
         for survivor in (job.worker_id, job.sampler_id):
             if survivor in self._workers:
                 self._close_unawaited(survivor, job.job_id)
-        del self._jobs[job.job_id]
-        self._apply(sch.JobClosed(job.job_id))
+        self._remove_job(job.job_id)
 
     def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
         rec = self._calls.get(msg.rid)
@@ -561,23 +649,25 @@ class Coordinator:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
-            if job is not None:
-                result = self._keep_for_recovery(job, rec.call, result)
-            if rec.client:  # not the coordinator's own call (a restore, a close nobody awaits)
-                done = m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s)
-                self._send(rec.client, done)
             if isinstance(result, calls.Opened):
                 recoverable = result.snapshots and job is not None and not job.sampler_id
                 self._apply(sch.JobSized(rec.job_id, result.state_bytes, recoverable=recoverable))
                 if job is not None and isinstance(rec.call, calls.Open):
                     job.opened, job.recoverable = result, recoverable
+                    if recoverable and self._journal is not None:  # before its client hears
+                        self._journal.opened(self._journal_row(job))
+            if job is not None:
+                result = self._commit(job, rec, result)
+            if rec.client:  # not the coordinator's own call (a restore, a close nobody awaits)
+                done = m.CallDone(rid=rec.client_rid, job_id=rec.job_id, result=result, compute_s=msg.compute_s)
+                self._send(rec.client, done)
         elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
         self._apply(sch.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         if isinstance(rec.call, calls.Restore) and job is not None:
             if error:
-                job.state = "lost"
+                self._mark_lost(job)
             else:
                 job.recoveries += 1
                 log.warning("job %s recovered on worker %s (recovery %d)", job.job_id, worker_id, job.recoveries)
@@ -585,25 +675,50 @@ class Coordinator:
         if opening_failed and rec.held is not None and job is not None and job.worker_id in self._workers:
             self._close_unawaited(job.worker_id, rec.job_id)  # the replica failed after the home opened
         if isinstance(rec.call, calls.Close) or opening_failed:
-            self._jobs.pop(rec.job_id, None)
-            self._apply(sch.JobClosed(rec.job_id))
+            self._remove_job(rec.job_id)
+        elif job is not None:
+            self._serve_reattach(job)
 
-    def _keep_for_recovery(self, job: _JobRecord, call: calls.Call, result: calls.Result) -> calls.Result:
-        """Keep what rebuilds a recoverable job elsewhere: the snapshot its optim_step or load
-        returned (not passed on to the client), then each forward_backward and sync_weights done
-        since. Returns the result for the client."""
-        if not job.recoverable:
+    def _commit(self, job: _JobRecord, rec: _CallRecord, result: calls.Result) -> calls.Result:
+        """A call that changed ``job``'s state finished: it is the job's commit point. A recoverable
+        job also keeps what rebuilds it elsewhere: the snapshot its optim_step or load returned
+        (not passed on to the client), then each forward_backward and sync_weights done since;
+        all of it journaled before the client hears. Returns the result for the client."""
+        call = rec.call
+        if not isinstance(call, STATEFUL):
             return result
-        match call, result:
-            case (calls.OptimStep(), calls.OptimStepResult(snapshot=snapshot)) | (
-                calls.Load(),
-                calls.Loaded(snapshot=snapshot),
-            ) if snapshot is not None:
-                job.snapshot, job.replay = snapshot, []
-                return msgspec.structs.replace(result, snapshot=None)
-            case calls.ForwardBackward() | calls.SyncWeights(), _:
-                job.replay.append(call)
+        snapshot, replayed = None, None
+        if job.recoverable:
+            match call, result:
+                case (calls.OptimStep(), calls.OptimStepResult(snapshot=snapshot)) | (
+                    calls.Load(),
+                    calls.Loaded(snapshot=snapshot),
+                ) if snapshot is not None:
+                    job.snapshot, job.replay = snapshot, []
+                    result = msgspec.structs.replace(result, snapshot=None)
+                case calls.ForwardBackward() | calls.SyncWeights(), _:
+                    job.replay.append(call)
+                    replayed = call
+        job.committed_seq, job.committed = rec.seq, result
+        if isinstance(call, NEW_WEIGHTS):
+            job.weights_seq = rec.seq
+        if job.recoverable and self._journal is not None:
+            self._journal.committed(self._journal_row(job), snapshot=snapshot, replayed=replayed, n=len(job.replay))
         return result
+
+    def _remove_job(self, job_id: str) -> None:
+        """Forget a job (closed, never opened, or lost and let go): here, in the journal, and in
+        the scheduler (whose leftover calls of it fail)."""
+        self._jobs.pop(job_id, None)
+        if self._journal is not None:
+            self._journal.closed(job_id)
+        self._apply(sch.JobClosed(job_id))
+
+    def _mark_lost(self, job: _JobRecord) -> None:
+        """The job's state is gone: its calls fail until its client closes it; a restart forgets it."""
+        job.state = "lost"
+        if self._journal is not None:
+            self._journal.closed(job.job_id)
 
     def _follow_on_sampler(self, rec: _CallRecord, done: m.CallDone) -> bool:
         """A disaggregated job's barrier call, done on its home worker, continues on its sampler
@@ -675,7 +790,7 @@ class Coordinator:
                 elif job is not None and job.sampler_id and isinstance(call, calls.Load):
                     call = calls.Load(path=call.path, export=True)
                 elif job is not None and job.recoverable and isinstance(call, calls.OptimStep | calls.Load):
-                    call = msgspec.structs.replace(call, snapshot=True)  # kept here: _keep_for_recovery
+                    call = msgspec.structs.replace(call, snapshot=True)  # kept here: _commit
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
             case sch.Fail(job_id, call_id, error):
@@ -684,9 +799,10 @@ class Coordinator:
                     self._forget(failed)
                     if failed.client:
                         self._reply_error(failed.client, failed.client_rid, error)
+                    if (job := self._jobs.get(job_id)) is not None:
+                        self._serve_reattach(job)
                 if failed is not None and isinstance(failed.call, calls.Open):
-                    self._jobs.pop(job_id, None)
-                    self._scheduler.handle(sch.JobClosed(job_id), self._now())
+                    self._remove_job(job_id)
             case sch.Place():
                 raise AssertionError("placement happens only when a job opens")
             case sch.Recover(job_id, worker_id, restore):
@@ -706,16 +822,16 @@ class Coordinator:
         self._apply(sch.WorkerLost(rec.worker_id, reason))
         for job in held:
             if rec.worker_id in (job.worker_id, job.sampler_id):  # not moved elsewhere (_recover)
-                job.state = "lost"
+                self._mark_lost(job)
 
     def _recover(self, job: _JobRecord, worker_id: str, restore: bool) -> None:
         """The scheduler moved ``job`` to ``worker_id``: its calls that ran on the lost worker are
-        queued again, behind a restore from what ``_keep_for_recovery`` kept (submitted here,
+        queued again, behind a restore from what ``_commit`` kept (submitted here,
         unless one is already pending)."""
         if worker_id:
             log.warning("job %s moves to worker %s (its worker was lost)", job.job_id, worker_id)
         else:
-            log.warning("job %s lost its worker and waits for one that can take it", job.job_id)
+            log.warning("job %s waits for a worker that can take it", job.job_id)
         job.worker_id = worker_id
         for rec in self._calls.values():
             if rec.job_id == job.job_id:

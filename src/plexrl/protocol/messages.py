@@ -36,10 +36,13 @@ class Heartbeat(Envelope, tag="heartbeat", frozen=True):
     and names its call socket's identity in ``worker``; the coordinator answers a worker it does
     not know with ``Shutdown``, so a worker that was declared lost, or outlived a coordinator
     restart, registers again. ``progress`` is the worker engine's progress count: a worker whose
-    count stands still while it runs a call is hung, not slow."""
+    count stands still while it runs a call is hung, not slow. A reply to a client says whether
+    the coordinator knows that client (``known``): one that restarted, or declared the client
+    gone, does not, and the client says Hello again and reattaches its jobs."""
 
     worker: bytes = b""
     progress: int = 0
+    known: bool = True  # in a reply to a client: False if the coordinator does not know its connection
 
 
 class CallDone(Envelope, tag="call_done", frozen=True):
@@ -82,6 +85,10 @@ class Submit(Envelope, tag="submit", frozen=True):
     job_id: str
     call: Call
     priority: int = 0  # generates: lower is admitted first (a rollout's frontier groups)
+    # The call's number in its job's order (1, 2, ...; the client's ``Job`` counts): a generate's
+    # seed derives from it, and a restarted coordinator says up to which number its journal holds
+    # the job's calls. 0: the coordinator numbers it.
+    seq: int = 0
 
 
 class Cancel(Envelope, tag="cancel", frozen=True):
@@ -96,9 +103,11 @@ class StatusRequest(Envelope, tag="status", frozen=True):
 
 class Reattach(Envelope, tag="reattach", frozen=True):
     """Take over this tenant's job ``name`` whose client went away (answered ``Reattached``); if
-    that client is not yet declared gone, the answer waits until it is."""
+    that client is not yet declared gone, the answer waits until it is. ``job_id``: that job of
+    the name (a client taking its own jobs back after a coordinator restart)."""
 
     name: str
+    job_id: str = ""
 
 
 # -- coordinator -> client ---------------------------------------------------------------------
@@ -109,6 +118,13 @@ class Reattached(Envelope, tag="reattached", frozen=True):
     name: str
     spec: JobSpec
     opened: Opened
+    # The job's commit point: its state holds its calls up to ``committed_seq`` (``Submit.seq``),
+    # the last of which returned ``committed``; ``weights_seq``: its last call that changed what
+    # its sampler serves. A client sends its unanswered calls after ``committed_seq`` again.
+    committed_seq: int = 0
+    committed: Result | None = None
+    weights_seq: int = 0
+    next_seq: int = 1  # the number its next call gets
 
 
 class Welcome(Envelope, tag="welcome", frozen=True):
