@@ -1,16 +1,20 @@
-"""Chaos: concurrent GRPO jobs on a few workers while workers are SIGKILLed at random and replaced.
+"""Chaos: concurrent GRPO jobs on a few workers while workers and the coordinator are SIGKILLed.
 
-    python bench/chaos.py [--jobs 8] [--workers 3] [--steps 6] [--kill-every 6] [--repeats 3]
-                          [--sampler vllm|hf] [--soak HOURS]
+    python bench/chaos.py [--jobs 8] [--workers 3] [--steps 6] [--kill-every 6] [--coordinator-kills 1]
+                          [--repeats 3] [--sampler vllm|hf] [--soak HOURS]
 
 Each job is a LoRA GRPO loop on the shipped model (the long-tailed ``sum`` task and ``add`` in
 turn; ``--steps`` steps of ``--prompts`` x ``--group`` samples: generate, reward, forward_backward,
 optim_step, sync_weights), then saves its adapter. First a fault-free run of every job (the
 reference), then ``--repeats`` runs of the same jobs (same seeds) while a chaos task SIGKILLs a
 random worker every Exp(``--kill-every``) seconds and starts a replacement ``--restart-after``
-seconds later. plexrl's promise (docs/architecture.md, "Worker death"): the coordinator restores
-each job of a lost worker on another one from its last optimizer step's snapshot and the calls
-since, and runs its interrupted calls again, so the loop sees only latency.
+seconds later, and SIGKILLs the coordinator ``--coordinator-kills`` times (at random moments
+between 20% and 70% of the reference's wall time), starting it again on its journal
+``--restart-after`` seconds later. plexrl's promise (docs/architecture.md, "Guarantees"): the
+coordinator restores each job of a lost worker on another one from its last optimizer step's
+snapshot and the calls since, and runs its interrupted calls again; a restarted coordinator
+resumes every job from its journal, and each client reconnects and settles its unanswered calls
+by its job's commit point; so the loop sees only latency.
 
 Measured per faulty run: optimizer steps lost (a job that ended with fewer than ``--steps``, from
 its saved checkpoint's manifest) and applied twice (more), jobs finished, recovery time (from a
@@ -18,9 +22,7 @@ kill to the next completed call of each job the killed worker held; p50 and max)
 job's final adapter equals the reference's bit for bit (every sampled token and every update
 agreed). Ends with ``steps_lost=``, ``steps_applied_twice=``, ``jobs_finished=k/n`` and
 ``final_adapters_equal=k/n`` (the worst repetition). ``--soak HOURS`` instead loops jobs for that
-long under chaos and prints the coordinator's and workers' resident memory every minute.
-
-Not yet here: killing the coordinator (its restart needs the journal, issue 13 part 6).
+long under worker chaos and prints the coordinator's and workers' resident memory every minute.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class JobRun:
 @dataclass
 class Kill:
     at: float  # monotonic
-    worker_id: str
-    jobs: list[str]  # names of the jobs whose home it was
+    worker_id: str  # or "coordinator"
+    jobs: list[str]  # names of the jobs whose home it was (every job, for the coordinator)
 
 
 async def job_loop(name: str, index: int, args: Any, run_tag: str) -> JobRun:
@@ -129,24 +131,42 @@ async def chaos(cluster: plexrl.LocalCluster, client: plexrl.Client, args: Any, 
         await cluster.start_worker(int(victim.name.rsplit("-", 1)[1]))  # local-i: on worker i's cores
 
 
+async def kill_coordinator(cluster: plexrl.LocalCluster, at: tuple[float, ...], args: Any, kills: list[Kill]) -> None:
+    """SIGKILL the coordinator ``at`` these seconds from now; start it again on its address and
+    journal ``restart_after`` s later (its workers and clients reconnect by themselves)."""
+    start = time.monotonic()
+    for when in sorted(at):
+        await asyncio.sleep(max(0.0, start + when - time.monotonic()))
+        assert cluster.coordinator is not None
+        cluster.coordinator.kill()
+        kills.append(Kill(time.monotonic(), "coordinator", [f"job{i}" for i in range(args.jobs)]))
+        print(f"    killed the coordinator (pid {cluster.coordinator.pid})", flush=True)
+        await cluster.coordinator.wait()
+        await asyncio.sleep(args.restart_after)
+        await cluster.start_coordinator()
+
+
 async def one_run(
-    args: Any, root: Path, run_tag: str, chaos_seed: int | None
+    args: Any, root: Path, run_tag: str, chaos_seed: int | None, coordinator_kills_at: tuple[float, ...] = ()
 ) -> tuple[list[JobRun], list[Kill], float]:
     cluster = plexrl.local(
         workers=args.workers, sampler=args.sampler, policy="plex", checkpoint_root=root, start_timeout_s=600,
         heartbeat_interval_s=args.heartbeat, heartbeat_liveness=5, max_loras=8,
+        journal=root / f"journal-{run_tag}.sqlite",
     )  # fmt: skip
     kills: list[Kill] = []
     async with cluster as client:
         start = time.monotonic()
         jobs = [asyncio.create_task(job_loop(f"job{i}", i, args, run_tag)) for i in range(args.jobs)]
-        chaos_task = (
-            None if chaos_seed is None else asyncio.create_task(chaos(cluster, client, args, chaos_seed, kills))
-        )
+        chaos_tasks = []
+        if chaos_seed is not None:
+            chaos_tasks.append(asyncio.create_task(chaos(cluster, client, args, chaos_seed, kills)))
+        if coordinator_kills_at:
+            chaos_tasks.append(asyncio.create_task(kill_coordinator(cluster, coordinator_kills_at, args, kills)))
         runs = list(await asyncio.gather(*jobs))
-        if chaos_task is not None:
-            chaos_task.cancel()
-            await asyncio.gather(chaos_task, return_exceptions=True)
+        for task in chaos_tasks:
+            task.cancel()
+        await asyncio.gather(*chaos_tasks, return_exceptions=True)
         wall = time.monotonic() - start
     return runs, kills, wall
 
@@ -159,6 +179,7 @@ class Outcome:
     equal: int
     recovery_s: list[float]
     kills: int
+    coordinator_kills: int
     recoveries: int
     wall_s: float
 
@@ -178,8 +199,9 @@ def judge(runs: list[JobRun], reference: list[JobRun], kills: list[Kill], args: 
         for name in kill.jobs
         if name in by_name
     ]
-    return Outcome(lost, twice, sum(r.finished for r in runs), equal, [r for r in recovery if r == r], len(kills),
-                   sum(r.recoveries for r in runs), wall_s)  # fmt: skip
+    workers_killed = sum(k.worker_id != "coordinator" for k in kills)
+    return Outcome(lost, twice, sum(r.finished for r in runs), equal, [r for r in recovery if r == r], workers_killed,
+                   len(kills) - workers_killed, sum(r.recoveries for r in runs), wall_s)  # fmt: skip
 
 
 def spread(values: list[float], digits: int = 2) -> str:
@@ -236,28 +258,31 @@ async def measure(args: Any, root: Path) -> None:
     print(f"  {ref_wall:.1f} s")
     outcomes = []
     for rep in range(args.repeats):
-        print(f"faulty run {rep + 1}: a worker SIGKILLed every Exp({args.kill_every} s), replaced "
-              f"{args.restart_after} s later", flush=True)  # fmt: skip
-        runs, kills, wall = await one_run(args, root, f"faulty{rep}", chaos_seed=rep)
+        print(f"faulty run {rep + 1}: a worker SIGKILLed every Exp({args.kill_every} s), the coordinator "
+              f"{args.coordinator_kills} time(s); each restarted {args.restart_after} s later", flush=True)  # fmt: skip
+        rng = np.random.default_rng(1000 + rep)
+        at = tuple(float(t) for t in rng.uniform(0.2, 0.7, args.coordinator_kills) * ref_wall)
+        runs, kills, wall = await one_run(args, root, f"faulty{rep}", chaos_seed=rep, coordinator_kills_at=at)
         outcome = judge(runs, reference, kills, args, wall)
         outcomes.append(outcome)
         for r in runs:
             if not r.finished:
                 print(f"    {r.name} did not finish: {r.error}")
-        print(f"  {wall:.1f} s, {outcome.kills} kills, {outcome.recoveries} job recoveries; steps lost "
+        print(f"  {wall:.1f} s, {outcome.kills} worker kills, {outcome.coordinator_kills} coordinator kills, "
+              f"{outcome.recoveries} job recoveries; steps lost "
               f"{outcome.steps_lost}, applied twice {outcome.steps_applied_twice}, finished "
               f"{outcome.finished}/{args.jobs}, adapters equal to the reference {outcome.equal}/{args.jobs}", flush=True)  # fmt: skip
     recovery = [s for o in outcomes for s in o.recovery_s]
     print(f"\n{args.jobs} jobs x {args.steps} steps on {args.workers} workers ({args.sampler} sampler), "
           f"{args.repeats} faulty runs against one fault-free reference ({ref_wall:.1f} s)")  # fmt: skip
-    print(f"  kills per run {spread([o.kills for o in outcomes], 1)}, job recoveries per run "
+    print(f"  worker kills per run {spread([o.kills for o in outcomes], 1)}, coordinator kills per run "
+          f"{spread([o.coordinator_kills for o in outcomes], 1)}, job recoveries per run "
           f"{spread([o.recoveries for o in outcomes], 1)}, wall s {spread([o.wall_s for o in outcomes], 1)}")  # fmt: skip
     if recovery:
         p50 = float(np.percentile(recovery, 50))
         print(f"  recovery time (a kill to the next completed call of each job it held, {len(recovery)} of them): "
               f"p50 {p50:.2f} s, max {max(recovery):.2f} s; the heartbeat window alone is "
-              f"{args.heartbeat * 5:.1f} s")  # fmt: skip
-    print("  coordinator kills: not run (its restart needs the journal, issue 13 part 6)")
+              f"{args.heartbeat * 5:.1f} s, a restart waits {args.restart_after:g} s")  # fmt: skip
     worst = max(outcomes, key=lambda o: (o.steps_lost + o.steps_applied_twice, -o.finished, -o.equal))
     print(f"steps_lost={worst.steps_lost}")
     print(f"steps_applied_twice={worst.steps_applied_twice}")
@@ -273,7 +298,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="problems per step")
     parser.add_argument("--group", type=int, default=4, help="samples per problem")
     parser.add_argument("--kill-every", type=float, default=6.0, help="mean seconds between worker kills")
-    parser.add_argument("--restart-after", type=float, default=2.0, help="seconds until a killed worker is replaced")
+    parser.add_argument("--coordinator-kills", type=int, default=1, help="coordinator SIGKILLs per faulty run")
+    parser.add_argument(
+        "--restart-after", type=float, default=2.0, help="seconds until a killed worker or coordinator is restarted"
+    )
     parser.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval (a worker is dead after 5)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sampler", choices=["vllm", "hf"], default="vllm")

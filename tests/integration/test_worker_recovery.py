@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import plexrl
 from plexrl.types import LoRA
@@ -64,3 +65,25 @@ async def test_a_job_whose_worker_is_killed_goes_on_as_if_nothing_happened(tiny_
             np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)  # type: ignore[attr-defined]
         else:
             assert a == b  # losses, steps, grad norms, versions
+
+
+async def test_a_job_that_waits_for_a_worker_closes_at_once(tiny_model: Path) -> None:
+    """Its only worker died and none can take it over: closing it frees nothing, so it does not
+    wait for one (the recovery wait is 300 s)."""
+    cluster = plexrl.local(workers=1, heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS)
+    async with cluster as client:
+        for close_early in (True, False):  # before the worker is declared lost, and after
+            async with plexrl.job("orphan", tiny_model, lora=LoRA(rank=4)) as job:
+                await job.generate(PROMPTS, PARAMS)
+                (proc,) = [p for p in cluster.worker_processes if p.returncode is None]
+                proc.kill()
+                await proc.wait()
+                if not close_early:
+                    with pytest.raises(TimeoutError):  # it waits for a worker (and would for 300 s)
+                        async with asyncio.timeout(3):
+                            await job.generate(PROMPTS, PARAMS)
+                async with asyncio.timeout(30):
+                    await job.close()
+            assert [j.name for j in (await client.status()).jobs] == []
+            await cluster.start_worker(0)
+            await client.status(min_workers=1)

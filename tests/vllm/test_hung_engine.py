@@ -25,7 +25,7 @@ if not vllm_sampler.available():
         raise RuntimeError("PLEXRL_REQUIRE_VLLM is set but vLLM is not installed")
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-HANG_S = 4.0  # past the first request's tick-free warm-up (adapter load, first kernels)
+HANG_S = 10.0  # past the tick-free warm-up of a first batch (adapter load, kernels; >4 s on slow machines)
 INTERVAL, LIVENESS = 0.25, 8  # heartbeats: a silent worker would be dead after 2 s
 
 
@@ -38,17 +38,20 @@ async def test_a_worker_whose_engine_stops_progressing_is_declared_hung_and_exit
     cluster = plexrl.local(
         workers=1, sampler="vllm", start_timeout_s=600, hang_timeout_s=HANG_S,
         heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS,
+        snapshot_max_bytes=0,  # its job is lost with the worker (no other worker could take it over anyway)
     )  # fmt: skip
     async with cluster as client, plexrl.job("wedged", TINY_MODEL, seed=1) as job:
         (worker,) = (await client.status()).workers
         (proc,) = cluster.worker_processes
-        await job.generate([[1, 5]], plexrl.SamplingParams(max_tokens=2))  # the engine's first request warms it up
+        # The engine's first requests warm it up (adapter load, kernels for these batch shapes): no ticks.
+        await job.generate([[1, 5]], plexrl.SamplingParams(max_tokens=2))
+        await job.generate([[1, 5, 6, 7]] * 32, plexrl.SamplingParams(n=8, max_tokens=4, min_tokens=4))
         # Slow but alive: this generate runs for longer than the hang timeout, making progress.
-        slow = await job.generate([[1, 5, 6, 7]] * 16, plexrl.SamplingParams(n=8, max_tokens=300, min_tokens=300))
-        assert len(slow.samples) == 128
+        slow = await job.generate([[1, 5, 6, 7]] * 32, plexrl.SamplingParams(n=8, max_tokens=300, min_tokens=300))
+        assert len(slow.samples) == 256
         assert [w.worker_id for w in (await client.status()).workers] == [worker.worker_id]
 
-        stuck = job.generate([[1, 5, 6]] * 16, plexrl.SamplingParams(n=8, max_tokens=300, min_tokens=300))
+        stuck = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=8, max_tokens=300, min_tokens=300))
         await client.status()  # answered after the generate was dispatched
         engines = children(worker.pid)
         assert engines, "the vLLM worker runs its engine in a child process"

@@ -392,10 +392,10 @@ class Scheduler:
                 for job_id, (since, why) in sorted(self._homeless.items()):
                     if now - since >= self.recovery_wait_s:
                         del self._homeless[job_id]
-                        error = WorkerLostError(
+                        gave_up = WorkerLostError(
                             f"{why}, and no worker could take it over within {self.recovery_wait_s:g} s"
                         )
-                        actions += self._lose_job(self._jobs[job_id], error, now)
+                        actions += self._lose_job(self._jobs[job_id], gave_up, now)
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)

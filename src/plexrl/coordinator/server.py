@@ -507,6 +507,11 @@ class Coordinator:
             self._drop_lost(job)
             self._send(ident, m.CallDone(rid=msg.rid, job_id=job.job_id, result=calls.Closed()))
             return
+        if isinstance(msg.call, calls.Close) and job.state == "open" and not job.worker_id:
+            # It waits for a worker to be rebuilt on: its state exists nowhere, so closing frees nothing.
+            self._remove_job(job.job_id)
+            self._send(ident, m.CallDone(rid=msg.rid, job_id=job.job_id, result=calls.Closed()))
+            return
         if job.state == "lost":
             raise WorkerLostError(f"job {msg.job_id!r} lost its worker; open it again and load its last checkpoint")
         tenant, nbytes = self._peers[ident].tenant, self._inbound_bytes
@@ -687,7 +692,8 @@ class Coordinator:
         call = rec.call
         if not isinstance(call, STATEFUL):
             return result
-        snapshot, replayed = None, None
+        snapshot: calls.Snapshot | None = None
+        replayed: calls.ForwardBackward | calls.SyncWeights | None = None
         if job.recoverable:
             match call, result:
                 case (calls.OptimStep(), calls.OptimStepResult(snapshot=snapshot)) | (
@@ -836,6 +842,13 @@ class Coordinator:
         for rec in self._calls.values():
             if rec.job_id == job.job_id:
                 rec.worker_id = None  # not running anywhere now; dispatched again on the new home
+        if not worker_id and job.state == "closing":  # its state exists nowhere: the close is done
+            for rec in [r for r in self._calls.values() if r.job_id == job.job_id and isinstance(r.call, calls.Close)]:
+                self._forget(rec)
+                if rec.client:
+                    self._send(rec.client, m.CallDone(rid=rec.client_rid, job_id=job.job_id, result=calls.Closed()))
+            self._remove_job(job.job_id)
+            return
         if not restore:
             return
         assert job.open is not None
