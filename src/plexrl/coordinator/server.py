@@ -282,7 +282,7 @@ class Coordinator:
                 row.job_id, row.name, row.owner, "", row.open.spec, state="suspended", suspended_at=now,
                 opened=row.opened, open=row.open, weight=row.weight, next_seq=row.next_seq,
                 committed_seq=row.committed_seq, committed=row.committed, weights_seq=row.weights_seq,
-                recoverable=True, snapshot=found.snapshot, replay=found.replay,
+                recoverable=True, snapshot=found.snapshot, replay=found.replay, recoveries=row.recoveries,
             )  # fmt: skip
             self._jobs[job.job_id] = job
             log.warning("job %s resumed from the journal (its calls up to %d)", job.job_id, job.committed_seq)
@@ -294,7 +294,7 @@ class Coordinator:
         return JobRow(
             job_id=job.job_id, name=job.name, owner=job.owner, weight=job.weight, open=job.open, opened=job.opened,
             committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
-            next_seq=job.next_seq,
+            next_seq=job.next_seq, recoveries=job.recoveries,
         )  # fmt: skip
 
     # -- loops ----------------------------------------------------------------------------------
