@@ -7,8 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from plexrl.coordinator.scheduler import (
-    POLICIES,
+from plexrl.coordinator.events import (
     CallCancelled,
     CallFinished,
     CallSubmitted,
@@ -20,13 +19,13 @@ from plexrl.coordinator.scheduler import (
     JobSized,
     Place,
     Recover,
-    Scheduler,
     Swap,
     SwapDone,
     Tick,
     WorkerJoined,
     WorkerLost,
 )
+from plexrl.coordinator.scheduler import POLICIES, Scheduler
 from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
 
 

@@ -26,167 +26,28 @@ from dataclasses import dataclass, field
 
 from plexrl.coordinator import residency as rs
 from plexrl.coordinator.accounting import Ledger
+from plexrl.coordinator.events import (
+    Action,
+    CallCancelled,
+    CallFinished,
+    CallSubmitted,
+    Dispatch,
+    Event,
+    Fail,
+    JobClosed,
+    JobOpened,
+    JobResumed,
+    JobSized,
+    Place,
+    Recover,
+    Swap,
+    SwapDone,
+    Tick,
+    WorkerJoined,
+    WorkerLost,
+)
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import JobClosedError, NoWorkersError, PlexError, WorkerLostError
-
-# -- events (server -> scheduler) --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerJoined:
-    worker_id: str
-    slots: int = 1  # calls the worker may run at once
-    memory_bytes: float = math.inf  # device memory for jobs' state
-    swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
-    trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLost:
-    worker_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class JobOpened:
-    job_id: str
-    state_bytes: int = 0  # what must be on the device for its calls to run
-    weight: float = 1.0  # its share of accelerator time relative to other jobs (plex)
-    base: str = ""  # its base model: plex places jobs on one base together (their generates batch)
-    disaggregated: bool = False  # its generates run on a sampler worker other than its home
-
-
-@dataclass(frozen=True, slots=True)
-class JobResumed:
-    """A job a restarted coordinator read from its journal: its state exists on no worker, so it is
-    placed like a recoverable job whose worker was lost (``Recover``, then a ``restore``)."""
-
-    job_id: str
-    state_bytes: int
-    weight: float = 1.0
-    base: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class JobSized:
-    """The worker measured the job's state (known once its ``open`` ran); sent before that call's
-    ``CallFinished``. State that outgrew the device's budget is moved out first thing."""
-
-    job_id: str
-    state_bytes: int
-    recoverable: bool = False  # the server keeps what rebuilds it elsewhere (a snapshot, the calls since)
-
-
-@dataclass(frozen=True, slots=True)
-class JobClosed:
-    job_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallSubmitted:
-    call_id: int  # increasing in submission order
-    job_id: str
-    kind: str  # "generate", "forward_backward", ...
-    priority: int = 0  # generates: lower is admitted first (frontier groups)
-    front: bool = False  # ahead of every unfinished call of the job (a ``restore``)
-
-
-@dataclass(frozen=True, slots=True)
-class CallFinished:
-    call_id: int
-    error: str = ""  # why the worker failed it ("" = it succeeded); a failed open or restore ends its job
-
-
-@dataclass(frozen=True, slots=True)
-class CallCancelled:
-    """The caller gave up: a queued call leaves its queue; a running one runs until the worker
-    reports it (aborted or finished) with ``CallFinished``."""
-
-    call_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class SwapDone:
-    """The worker finished moving ``job_id``'s state (the direction the ``Swap`` named)."""
-
-    job_id: str
-    seconds: float
-    moved_bytes: int | None = None  # measured; None: the bytes the Swap named
-    ok: bool = True  # False: the move failed and the state stayed where it was
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Time passed with nothing else happening: re-check waiting jobs (the starvation bound)."""
-
-
-Event = (
-    WorkerJoined
-    | WorkerLost
-    | JobOpened
-    | JobResumed
-    | JobSized
-    | JobClosed
-    | CallSubmitted
-    | CallFinished
-    | CallCancelled
-    | SwapDone
-    | Tick
-)
-
-# -- actions (scheduler -> server) -------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """The job's trainer state lives on ``worker_id`` for the job's life; its generates run on
-    ``sampler_id`` (the same worker unless the job is disaggregated)."""
-
-    job_id: str
-    worker_id: str
-    sampler_id: str = ""  # "" for a colocated job (its home)
-
-
-@dataclass(frozen=True, slots=True)
-class Recover:
-    """The job's home was lost and the job lives on, on ``worker_id``: its state is rebuilt there
-    by a ``restore`` call, which the server submits (``front=True``) when ``restore`` is set (it is
-    not when one is already pending, or the job never finished opening). Its calls that were
-    running there are queued again. ``worker_id`` "": no worker can take it now; it waits (up to
-    the scheduler's ``recovery_wait_s``) for one to join, and then gets another ``Recover``."""
-
-    job_id: str
-    worker_id: str
-    restore: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    call_id: int
-    worker_id: str
-    priority: int = 0  # for the worker's engine queue (vLLM): lower runs first
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    """Fail the call (or, with ``call_id`` None, the job's opening) with ``error``."""
-
-    job_id: str
-    call_id: int | None
-    error: PlexError
-
-
-@dataclass(frozen=True, slots=True)
-class Swap:
-    """Move ``job_id``'s state on ``worker_id`` to ``to`` (``device`` or ``host``); answer with ``SwapDone``."""
-
-    job_id: str
-    worker_id: str
-    to: str
-    state_bytes: int
-
-
-Action = Place | Recover | Dispatch | Fail | Swap
 
 # -- state -------------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.coordinator.journal import JobRow, Journal
 from plexrl.errors import (
@@ -286,7 +287,7 @@ class Coordinator:
             )  # fmt: skip
             self._jobs[job.job_id] = job
             log.warning("job %s resumed from the journal (its calls up to %d)", job.job_id, job.committed_seq)
-            resumed = sch.JobResumed(job.job_id, row.opened.state_bytes, weight=row.weight, base=row.open.spec.model)
+            resumed = ev.JobResumed(job.job_id, row.opened.state_bytes, weight=row.weight, base=row.open.spec.model)
             self._apply(resumed)
 
     def _journal_row(self, job: _JobRecord) -> JobRow:
@@ -365,7 +366,7 @@ class Coordinator:
         while True:
             await asyncio.sleep(TICK_S)
             if self._scheduler.has_waiting():
-                self._apply(sch.Tick())
+                self._apply(ev.Tick())
 
     # -- inbound --------------------------------------------------------------------------------
 
@@ -446,7 +447,7 @@ class Coordinator:
             ident,
             m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
         )
-        joined = sch.WorkerJoined(
+        joined = ev.WorkerJoined(
             worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes, trainer_slots=msg.trainer_slots
         )
         self._apply(joined)
@@ -473,16 +474,16 @@ class Coordinator:
         open_call = calls.Open(spec=msg.spec, tenant=self._tenant_folder(ident), snapshot_max_bytes=snapshot_max_bytes)
         self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, open_call)
         # Its state's size is known once the worker opened it (JobSized).
-        opened = sch.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
+        opened = ev.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
         for action in self._scheduler.handle(opened, self._now()):
-            if isinstance(action, sch.Place):
+            if isinstance(action, ev.Place):
                 self._jobs[job_id] = _JobRecord(
                     job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
                     sampler_id=action.sampler_id, client=ident, open=open_call, weight=msg.weight,
                 )  # fmt: skip
-                self._apply(sch.CallSubmitted(call_id, job_id, "open"))
-            elif isinstance(action, sch.Fail) and action.call_id is None:  # the opening itself failed
-                self._carry_out(sch.Fail(job_id, call_id, action.error))
+                self._apply(ev.CallSubmitted(call_id, job_id, "open"))
+            elif isinstance(action, ev.Fail) and action.call_id is None:  # the opening itself failed
+                self._carry_out(ev.Fail(job_id, call_id, action.error))
             else:
                 self._carry_out(action)
 
@@ -542,7 +543,7 @@ class Coordinator:
         self._calls_of_tenant[tenant] += 1
         self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
-        self._apply(sch.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
+        self._apply(ev.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
 
     def _cancel(self, ident: bytes, call_rid: int) -> None:
         """A queued call is dropped; a running one is aborted on its worker (if the engine can)."""
@@ -552,7 +553,7 @@ class Coordinator:
             return  # finished already, or not something to cancel
         if rec.worker_id is None:
             self._forget(rec)
-            self._apply(sch.CallCancelled(rec.call_id))
+            self._apply(ev.CallCancelled(rec.call_id))
             self._reply_error(rec.client, rec.client_rid, CallAbortedError("the call was cancelled before it ran"))
         else:
             self._send(self._workers[rec.worker_id].ident, m.Abort(rid=rec.call_id))
@@ -630,7 +631,7 @@ class Coordinator:
         job.state, job.client = "closing", b""
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, calls.Close())
-        self._apply(sch.CallSubmitted(call_id, job.job_id, "close"))
+        self._apply(ev.CallSubmitted(call_id, job.job_id, "close"))
 
     def _drop_lost(self, job: _JobRecord) -> None:
         """Forget a job that lost its worker: nothing left to free, but a disaggregated job's
@@ -656,7 +657,7 @@ class Coordinator:
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
             if isinstance(result, calls.Opened):
                 recoverable = result.snapshots and job is not None and not job.sampler_id
-                self._apply(sch.JobSized(rec.job_id, result.state_bytes, recoverable=recoverable))
+                self._apply(ev.JobSized(rec.job_id, result.state_bytes, recoverable=recoverable))
                 if job is not None and isinstance(rec.call, calls.Open):
                     job.opened, job.recoverable = result, recoverable
                     if recoverable and self._journal is not None:  # before its client hears
@@ -669,7 +670,7 @@ class Coordinator:
         elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
-        self._apply(sch.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
+        self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         if isinstance(rec.call, calls.Restore) and job is not None:
             if error:
                 self._mark_lost(job)
@@ -718,7 +719,7 @@ class Coordinator:
         self._jobs.pop(job_id, None)
         if self._journal is not None:
             self._journal.closed(job_id)
-        self._apply(sch.JobClosed(job_id))
+        self._apply(ev.JobClosed(job_id))
 
     def _mark_lost(self, job: _JobRecord) -> None:
         """The job's state is gone: its calls fail until its client closes it; a restart forgets it."""
@@ -770,7 +771,7 @@ class Coordinator:
         del self._moves[msg.rid]
         if msg.error:
             log.error("worker %s could not move job %s's state to %s: %s", worker_id, msg.job_id, msg.to, msg.error)
-        self._apply(sch.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
+        self._apply(ev.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
 
     def _forget(self, rec: _CallRecord) -> None:
         if self._calls.pop(rec.call_id, None) is not None and rec.tenant:
@@ -780,13 +781,13 @@ class Coordinator:
 
     # -- scheduler seam -------------------------------------------------------------------------
 
-    def _apply(self, event: sch.Event) -> None:
+    def _apply(self, event: ev.Event) -> None:
         for action in self._scheduler.handle(event, self._now()):
             self._carry_out(action)
 
-    def _carry_out(self, action: sch.Action) -> None:
+    def _carry_out(self, action: ev.Action) -> None:
         match action:
-            case sch.Dispatch(call_id, worker_id, priority):
+            case ev.Dispatch(call_id, worker_id, priority):
                 rec = self._calls[call_id]
                 rec.worker_id = worker_id
                 call = rec.call
@@ -799,7 +800,7 @@ class Coordinator:
                     call = msgspec.structs.replace(call, snapshot=True)  # kept here: _commit
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
-            case sch.Fail(job_id, call_id, error):
+            case ev.Fail(job_id, call_id, error):
                 failed = self._calls.get(call_id) if call_id is not None else None
                 if failed is not None:
                     self._forget(failed)
@@ -809,11 +810,11 @@ class Coordinator:
                         self._serve_reattach(job)
                 if failed is not None and isinstance(failed.call, calls.Open):
                     self._remove_job(job_id)
-            case sch.Place():
+            case ev.Place():
                 raise AssertionError("placement happens only when a job opens")
-            case sch.Recover(job_id, worker_id, restore):
+            case ev.Recover(job_id, worker_id, restore):
                 self._recover(self._jobs[job_id], worker_id, restore)
-            case sch.Swap(job_id, worker_id, to):
+            case ev.Swap(job_id, worker_id, to):
                 move_id = next(self._move_ids)
                 self._moves[move_id] = (worker_id, job_id)
                 self._send(self._workers[worker_id].ident, m.MoveState(rid=move_id, job_id=job_id, to=to))
@@ -825,7 +826,7 @@ class Coordinator:
         for move_id in [k for k, (w, _) in self._moves.items() if w == rec.worker_id]:
             del self._moves[move_id]  # the scheduler forgets the transfer with the worker
         held = [j for j in self._jobs.values() if rec.worker_id in (j.worker_id, j.sampler_id)]
-        self._apply(sch.WorkerLost(rec.worker_id, reason))
+        self._apply(ev.WorkerLost(rec.worker_id, reason))
         for job in held:
             if rec.worker_id in (job.worker_id, job.sampler_id):  # not moved elsewhere (_recover)
                 self._mark_lost(job)
@@ -855,7 +856,7 @@ class Coordinator:
         call_id = next(self._call_ids)
         call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay))
         self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, call)
-        self._apply(sch.CallSubmitted(call_id, job.job_id, "restore", front=True))
+        self._apply(ev.CallSubmitted(call_id, job.job_id, "restore", front=True))
 
     # -- outbound -------------------------------------------------------------------------------
 

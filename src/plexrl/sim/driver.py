@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.sim.workload import JobModel, Wait, Work, program
 
@@ -150,7 +151,7 @@ class Simulation:
 
     def run(self, until_s: float = float("inf")) -> SimResult:
         for w in self._devices:
-            joined = sch.WorkerJoined(
+            joined = ev.WorkerJoined(
                 w, self.slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s
             )
             self._handle(joined)
@@ -179,33 +180,33 @@ class Simulation:
     def _open(self, job_id: str) -> None:
         job = self._jobs[job_id]
         model = job.model
-        self._handle(sch.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated))
+        self._handle(ev.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated))
         if job.result.error:
             self._left -= 1
 
     def _tick(self) -> None:
-        self._handle(sch.Tick())
+        self._handle(ev.Tick())
         if self._left:
             self._at(self.now + self.tick_s, self._tick)
 
     # -- the scheduler seam, as in the coordinator's server --------------------------------------
 
-    def _handle(self, event: sch.Event) -> None:
+    def _handle(self, event: ev.Event) -> None:
         for action in self.scheduler.handle(event, self.now):
             match action:
-                case sch.Place(job_id, worker_id):
+                case ev.Place(job_id, worker_id):
                     job = self._jobs[job_id]
                     job.result.worker, job.result.started_s = worker_id, self.now
                     self._advance(job_id)
-                case sch.Dispatch(call_id, worker_id):
+                case ev.Dispatch(call_id, worker_id):
                     self._start(call_id, worker_id)
-                case sch.Fail(job_id, _, error):
+                case ev.Fail(job_id, _, error):
                     self._jobs[job_id].result.error = error.message
-                case sch.Swap(job_id, _, _, state_bytes):
+                case ev.Swap(job_id, _, _, state_bytes):
                     seconds = state_bytes / self.swap_bytes_per_s
                     self._swaps += 1
                     self._swap_s += seconds
-                    self._at(self.now + seconds, functools.partial(self._handle, sch.SwapDone(job_id, seconds)))
+                    self._at(self.now + seconds, functools.partial(self._handle, ev.SwapDone(job_id, seconds)))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))
@@ -217,14 +218,14 @@ class Simulation:
         if step is None:
             job.result.finished_s = self.now
             self._left -= 1
-            self._handle(sch.JobClosed(job_id))
+            self._handle(ev.JobClosed(job_id))
             return
         if isinstance(step, Wait):
             self._at(self.now + step.seconds, lambda: self._advance(job_id))
             return
         call_id = next(self._call_ids)
         self._calls[call_id] = (job_id, step)
-        self._handle(sch.CallSubmitted(call_id, job_id, step.kind))
+        self._handle(ev.CallSubmitted(call_id, job_id, step.kind))
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -273,7 +274,7 @@ class Simulation:
         for r in done:
             if self.record_timeline:
                 self._timeline.append((worker_id, r.job_id, r.started_s, self.now))
-            self._handle(sch.CallFinished(r.call_id))
+            self._handle(ev.CallFinished(r.call_id))
             self._advance(r.job_id)
         device.completing = False
         self._reschedule(worker_id, device)
