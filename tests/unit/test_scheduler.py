@@ -477,6 +477,7 @@ _submit, _finish, _moved = (
 op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
     st.tuples(st.just("join"), st.integers(1, 3)),
     st.tuples(st.just("open"), st.integers(0, 11)),  # size 0-2 units; 3-5: disaggregated; 6-11: recoverable
+    st.tuples(st.just("resume"), st.integers(0, 2)),  # a recoverable job from a restarted coordinator's journal
     _submit,
     _submit,
     _submit,
@@ -538,7 +539,10 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 homes[a.job_id] = a.worker_id
                 samplers[a.job_id] = a.sampler_id or a.worker_id
                 assert a.sampler_id in ("", *workers) and a.sampler_id != a.worker_id
-                fits = device.get(a.worker_id, 0) + sizes[a.job_id] <= workers[a.worker_id][1]
+                # Where its state starts is the scheduler's call (room it keeps for a pending restore
+                # counts); the budget check below holds it to the sum.
+                placed_at = s.residency(a.job_id)
+                fits = placed_at is not None and placed_at.tier == "device"
                 resident[a.job_id] = fits
                 device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
             elif isinstance(a, Recover):
@@ -623,6 +627,14 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             if arg >= 6 and j in homes:  # its open reported a snapshot-taking job
                 recoverable.add(j)
                 check(s.handle(JobSized(j, sizes[j], recoverable=True), t))
+        elif kind == "resume":
+            j = f"j{n_jobs}"
+            n_jobs += 1
+            submitted[j], sizes[j] = [], arg * UNIT
+            recoverable.add(j)
+            homes[j] = samplers[j] = "journal"  # on no worker: a Recover places it
+            resident[j] = False
+            check(s.handle(JobResumed(j, sizes[j]), t))
         elif kind == "submit" and submitted:
             j = sorted(submitted)[arg % len(submitted)]
             if j not in homes:
