@@ -14,6 +14,7 @@ import pytest
 
 import plexrl
 from plexrl.errors import CoordinatorLostError, UnknownJobError
+from plexrl.protocol import calls
 from plexrl.types import LoRA
 
 INTERVAL, LIVENESS = 0.2, 5  # a coordinator silent for 1 s is noticed
@@ -91,3 +92,23 @@ async def test_without_a_journal_a_restart_fails_the_jobs_calls_with_a_typed_err
         assert len((await client.status(min_workers=1)).workers) == 1
         with pytest.raises((UnknownJobError, CoordinatorLostError)):
             await job_cm.__aexit__(None, None, None)
+
+
+async def test_an_opening_interrupted_by_a_restart_completes_once(tiny_model: Path, tmp_path: Path) -> None:
+    """The OpenJob's reply never came: the client finds the job by the opening's token if the
+    opening finished before the crash, else opens it again; either way one job, usable."""
+    cluster = plexrl.local(
+        workers=1, heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS, journal=tmp_path / "j.sqlite"
+    )
+    async with cluster as client:
+        spec = calls.JobSpec(model=str(tiny_model), lora=LoRA(rank=4), seed=3)
+        opening = asyncio.ensure_future(client.open_job("j", spec))
+        await client.status()  # answered after the OpenJob reached the coordinator
+        await _restart(cluster)
+        async with asyncio.timeout(180):
+            job_id, opened = await opening
+        assert [j.job_id for j in (await client.status()).jobs] == [job_id]
+        job = plexrl.Job(client, job_id, "j", spec, opened)
+        out = await job.generate(PROMPTS, PARAMS)
+        assert len(out.samples) == 8
+        await job.close()

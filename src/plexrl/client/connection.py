@@ -269,7 +269,7 @@ class Client:
     async def open_job(
         self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
     ) -> tuple[str, calls.Opened]:
-        request = m.OpenJob(name=name, spec=spec, weight=weight, placement=placement)
+        request = m.OpenJob(name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex())
         done: m.CallDone = await self.request(request, expect(m.CallDone), self.deadlines.get("open_job"))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
@@ -392,6 +392,8 @@ class Client:
                     if isinstance(req.msg, m.StatusRequest):
                         self._drop(req)
                         self._send(req)
+                    elif isinstance(req.msg, m.OpenJob) and req.msg.token:
+                        await self._reopen(req, req.msg)
                     else:
                         self._drop(req)
                         lost = f"{type(req.msg).__name__} was interrupted when {why}: do it again"
@@ -415,6 +417,21 @@ class Client:
         for req in held:
             if not req.fut.done():
                 self._send(req)
+
+    async def _reopen(self, req: _Request, msg: m.OpenJob) -> None:
+        """An opening the old coordinator left unanswered: the job it opened, if the opening
+        finished (the journal has it, found by the opening's token), else a new opening."""
+        self._drop(req)
+        try:
+            again = m.Reattach(name=msg.name, token=msg.token)
+            done = await self._request(again, expect(m.Reattached), resuming=True)
+        except UnknownJobError:
+            self._send(req)  # it never finished opening: nothing of it exists
+            return
+        try:
+            req.fut.set_result(req.unwrap(m.CallDone(job_id=done.job_id, result=done.opened)))
+        except PlexError as e:
+            req.fut.set_exception(e)
 
     def _settle(self, requests: list[_Request], outcome: m.Reattached | PlexError) -> None:
         """Settle a reattached job's unanswered calls by its commit point: a call it has not seen

@@ -42,6 +42,7 @@ class JobRow(Envelope, tag="journal_job", frozen=True):
     weights_seq: int = 0  # its last call that changed what the sampler serves (sync_weights, load)
     next_seq: int = 1  # past the highest call number it was given
     recoveries: int = 0  # times it was rebuilt (its worker lost, or the coordinator restarted)
+    token: str = ""  # its OpenJob's token
 
 
 class SnapshotRow(Envelope, tag="journal_snapshot", frozen=True):

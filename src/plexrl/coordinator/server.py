@@ -94,6 +94,7 @@ class _JobRecord:
     committed_seq: int = 0
     committed: calls.Result | None = None
     weights_seq: int = 0
+    token: str = ""  # its OpenJob's (a client that lost the reply to its opening finds it by this)
     # Recovery (a colocated job whose open reported snapshots): the snapshot of its last optim_step
     # or load, and its forward_backward / sync_weights calls since, in order; a restore on another
     # worker rebuilds it from these when its worker is lost.
@@ -283,7 +284,7 @@ class Coordinator:
                 row.job_id, row.name, row.owner, "", row.open.spec, state="suspended", suspended_at=now,
                 opened=row.opened, open=row.open, weight=row.weight, next_seq=row.next_seq,
                 committed_seq=row.committed_seq, committed=row.committed, weights_seq=row.weights_seq,
-                recoverable=True, snapshot=found.snapshot, replay=found.replay, recoveries=row.recoveries,
+                recoverable=True, snapshot=found.snapshot, replay=found.replay, recoveries=row.recoveries, token=row.token,
             )  # fmt: skip
             self._jobs[job.job_id] = job
             log.warning("job %s resumed from the journal (its calls up to %d)", job.job_id, job.committed_seq)
@@ -295,7 +296,7 @@ class Coordinator:
         return JobRow(
             job_id=job.job_id, name=job.name, owner=job.owner, weight=job.weight, open=job.open, opened=job.opened,
             committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
-            next_seq=job.next_seq, recoveries=job.recoveries,
+            next_seq=job.next_seq, recoveries=job.recoveries, token=job.token,
         )  # fmt: skip
 
     # -- loops ----------------------------------------------------------------------------------
@@ -420,8 +421,8 @@ class Coordinator:
                     self._send(ident, self._status(rid, self._peers[ident]))
                 else:
                     self._waiters.append(_Waiter(ident, rid, n))
-            case m.Reattach(rid=rid, name=name, job_id=job_id):
-                self._reattach(ident, rid, name, job_id)
+            case m.Reattach(rid=rid, name=name, job_id=job_id, token=token):
+                self._reattach(ident, rid, name, job_id, token)
             case m.StateMoved():
                 self._on_state_moved(worker_id, msg)
             case m.CallDone() | m.ErrorReply():
@@ -479,7 +480,7 @@ class Coordinator:
             if isinstance(action, ev.Place):
                 self._jobs[job_id] = _JobRecord(
                     job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
-                    sampler_id=action.sampler_id, client=ident, open=open_call, weight=msg.weight,
+                    sampler_id=action.sampler_id, client=ident, open=open_call, weight=msg.weight, token=msg.token,
                 )  # fmt: skip
                 self._apply(ev.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, ev.Fail) and action.call_id is None:  # the opening itself failed
@@ -578,9 +579,12 @@ class Coordinator:
         for job in [j for j in self._jobs.values() if j.client == ident and j.state == "lost"]:
             self._free(job, "its client went away")
 
-    def _reattach(self, ident: bytes, rid: int, name: str, job_id: str) -> None:
+    def _reattach(self, ident: bytes, rid: int, name: str, job_id: str, token: str) -> None:
         tenant = self._peers[ident].tenant
-        mine = [j for j in self._jobs.values() if j.owner == tenant and j.name == name and job_id in ("", j.job_id)]
+        mine = [
+            j for j in self._jobs.values()
+            if j.owner == tenant and j.name == name and job_id in ("", j.job_id) and token in ("", j.token)
+        ]  # fmt: skip
         suspended = [j for j in mine if j.state == "suspended"]
         if suspended:
             job = max(suspended, key=lambda j: j.suspended_at)

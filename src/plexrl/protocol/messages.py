@@ -79,6 +79,9 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
     spec: JobSpec
     weight: float = 1.0  # the job's share of accelerator time relative to other jobs (plex policy)
     placement: str = "colocated"  # or "disaggregated": generates on another worker than training
+    # The client's random name for this opening: after a coordinator restart it finds the job
+    # (if the opening finished before the crash) with ``Reattach(token=)``, else opens it again.
+    token: str = ""
 
 
 class Submit(Envelope, tag="submit", frozen=True):
@@ -108,6 +111,7 @@ class Reattach(Envelope, tag="reattach", frozen=True):
 
     name: str
     job_id: str = ""
+    token: str = ""  # the job its ``OpenJob`` with this token opened
 
 
 # -- coordinator -> client ---------------------------------------------------------------------
