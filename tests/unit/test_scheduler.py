@@ -25,7 +25,8 @@ from plexrl.coordinator.events import (
     WorkerJoined,
     WorkerLost,
 )
-from plexrl.coordinator.scheduler import POLICIES, Scheduler
+from plexrl.coordinator.policies import POLICIES
+from plexrl.coordinator.scheduler import Scheduler
 from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
 
 

@@ -46,6 +46,7 @@ from plexrl.coordinator.events import (
     WorkerJoined,
     WorkerLost,
 )
+from plexrl.coordinator.policies import POLICIES, Policy
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import JobClosedError, NoWorkersError, PlexError, WorkerLostError
 
@@ -121,16 +122,6 @@ class _Call:
         return lane_of(self.kind)
 
 
-# dedicated: one job per worker, the baseline users have today. fifo: jobs share workers, oldest
-# call first, state moved in and out on demand (least recently used out). plex: resident calls
-# first; among them calls that unblock a whole stage (CRITICAL), then the job furthest below its
-# weighted fair share of accelerator-seconds; state moved out only when that pays
-# (residency.pays_to_evict) or a waiting job starves.
-POLICIES = ("fifo", "dedicated", "plex")
-NEW_JOB_LOAD = 0.5  # plex: the busy fraction a job is expected to need until it has been observed
-OBSERVE_S = 300.0  # plex: a job's own busy fraction replaces the guess after this long
-PACK_LOAD = 1.0  # plex: a new job goes where the expected busy fractions leave room for it
-CRITICAL = frozenset({"open", "close", "optim_step", "sync_weights"})  # short, and the next stage waits on them
 LOST = "its unsaved training state is gone: open the job again and load its last checkpoint"
 
 
@@ -140,7 +131,7 @@ class Scheduler:
     def __init__(self, policy: str = "fifo", recovery_wait_s: float = 300.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.policy = policy
+        self.policy: Policy = POLICIES[policy]()
         self.recovery_wait_s = recovery_wait_s  # a job whose worker was lost waits this long for another
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[str, _ScheduledJob] = {}
@@ -164,6 +155,12 @@ class Scheduler:
     def has_waiting(self) -> bool:
         """Some job waits for its state to be moved in, or for a worker (a ``Tick`` may now matter)."""
         return bool(self._waiting or self._homeless)
+
+    def workers(self) -> list[_Worker]:
+        return list(self._workers.values())
+
+    def job(self, job_id: str) -> _ScheduledJob:
+        return self._jobs[job_id]
 
     def busy_s(self, worker_id: str, now: float) -> float:
         return self.ledger.busy_s(worker_id, now)
@@ -278,11 +275,10 @@ class Scheduler:
         fits = worker.used_bytes + state_bytes <= worker.memory_bytes
         state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
         sampler = worker
-        if disaggregated:  # the other worker with the fewest sampler lanes (then fewest jobs)
-            others = [w for w in self._workers.values() if w is not worker]
-            if self.policy == "dedicated":
-                others = [w for w in others if not w.jobs and not w.samplers]
-            sampler = min(others, key=lambda w: (len(w.samplers), len(w.jobs)))
+        if disaggregated:
+            chosen_sampler = self.policy.sampler([w for w in self._workers.values() if w is not worker])
+            assert chosen_sampler is not None, "place() leaves a second worker for a disaggregated job"
+            sampler = chosen_sampler
             sampler.samplers.add(job_id)
         job = _ScheduledJob(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
         job.sampler = sampler.worker_id
@@ -305,46 +301,7 @@ class Scheduler:
         if not fitting:
             most = max(w.memory_bytes for w in self._workers.values())
             return NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
-        if self.policy == "dedicated":  # a worker of its own (two for a disaggregated job)
-            fitting = [w for w in fitting if not w.jobs and not w.samplers]
-            free = len([w for w in self._workers.values() if not w.jobs and not w.samplers])
-            if not fitting or (disaggregated and free < 2):
-                return NoWorkersError(
-                    "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
-                    "workers are free: add a worker, close a job, or use a multiplexing policy"
-                )
-        if self.policy == "plex":
-            return self._pack(fitting, state_bytes, base, now)
-        return min(fitting, key=lambda w: len(w.jobs))  # fewest jobs; ties: the worker that joined first
-
-    def _pack(self, fitting: list[_Worker], state_bytes: int, base: str, now: float) -> _Worker:
-        """Plex placement: fill devices instead of spreading jobs thin, and keep a base model's jobs
-        together (their generates batch). Among workers with room (expected busy fraction and
-        device memory): the fullest whose jobs share this job's base, else an empty one, else the
-        fullest. With room nowhere: the least loaded worker of its base, else the least loaded."""
-        loads = {w.worker_id: sum(self._load(j, now) for j in w.jobs) for w in fitting}
-        same_base = {w.worker_id for w in fitting if any(self._jobs[j].base == base for j in w.jobs)}
-        room = [
-            w
-            for w in fitting
-            if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.memory_bytes
-        ]
-        if not room:
-            # A full pool: its load is shared anyway, so its base decides (a base alone on a
-            # device pays the whole weight read of every decode step).
-            return min([w for w in fitting if w.worker_id in same_base] or fitting, key=lambda w: loads[w.worker_id])
-        same = [w for w in room if w.worker_id in same_base]
-        if same:  # the fullest of them
-            return min(same, key=lambda w: -loads[w.worker_id])
-        empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base
-        return empty[0] if empty else min(room, key=lambda w: -loads[w.worker_id])
-
-    def _load(self, job_id: str, now: float) -> float:
-        """The busy fraction a job needs of its device: observed once it has run a while."""
-        usage = self.ledger.jobs.get(job_id)
-        if usage is None or usage.wall_s(now) < OBSERVE_S:
-            return NEW_JOB_LOAD
-        return self.ledger.accelerator_s(job_id, now) / usage.wall_s(now)
+        return self.policy.place(self, fitting, state_bytes, base, disaggregated, now)
 
     def _resize(self, job_id: str, state_bytes: int) -> str | None:
         job = self._jobs.get(job_id)
@@ -513,10 +470,8 @@ class Scheduler:
                 startable = self._startable(job, lane)
                 if startable:
                     entries.append((job, startable))
-        if len(entries) > 1 and self.policy == "plex":
-            entries.sort(key=lambda e: self._plex_rank(e[0], e[1][0], now))
-        elif len(entries) > 1:
-            entries.sort(key=lambda e: e[1][0].call_id)
+        if len(entries) > 1:
+            entries.sort(key=lambda e: self.policy.rank(self, e[0], e[1][0], now))
         for job, startable in entries:
             # Lanes on the job's home need its state on the device (closing frees it wherever it
             # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
@@ -584,12 +539,6 @@ class Scheduler:
         calls = [self._calls[c] for c in queue if first_barrier is None or self._calls[c].seq < first_barrier]
         return sorted(calls, key=lambda c: (c.priority, c.seq))
 
-    def _plex_rank(self, job: _ScheduledJob, call: _Call, now: float) -> tuple[bool, bool, float, int]:
-        """Resident first; then calls that unblock a stage; then the job furthest below its weighted
-        fair share of accelerator-seconds; then the oldest call."""
-        served = self.ledger.accelerator_s(job.job_id, now) / job.weight
-        return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
-
     def _victim(self, worker: _Worker, waiting: _ScheduledJob | None, now: float) -> _ScheduledJob | None:
         """The resident, idle job to move out so ``waiting`` can come in (or, with ``waiting`` None,
         so the device gets back under its budget), if any should go now. A closing job is not
@@ -600,15 +549,7 @@ class Scheduler:
             for job in (self._jobs[j] for j in sorted(worker.jobs))
             if job.state.tier == rs.DEVICE and job.idle_on(worker.worker_id) and not job.closing
         ]
-        if not idle:
-            return None
-        if self.policy == "plex" and waiting is not None:
-            paying = [j for j in idle if rs.pays_to_evict(j.state, worker.bytes_per_s)]
-            if paying:
-                return max(paying, key=lambda j: j.state.expected_gap_s or 0.0)
-            if not rs.starving(waiting.state, now, worker.bytes_per_s):
-                return None
-        return min(idle, key=lambda j: j.state.last_done_s if j.state.last_done_s is not None else -math.inf)
+        return self.policy.victim(self, worker, idle, waiting, now) if idle else None
 
     def _move(self, worker: _Worker, job: _ScheduledJob, to: str) -> Swap:
         size = job.state.state_bytes

@@ -1,0 +1,130 @@
+"""Scheduling policies: where a job goes, which ready call starts first, whose state leaves a device.
+
+The scheduler keeps the invariants (order, affinity, slots, budgets); a policy only chooses
+among what they allow. ``dedicated``: one job per worker, the baseline users have today.
+``fifo``: jobs share workers, oldest call first, state moved in and out on demand (least
+recently used out). ``plex``: jobs packed by expected load and base model; resident calls first,
+then calls that unblock a whole stage (``CRITICAL``), then the job furthest below its weighted
+fair share of accelerator-seconds; state moved out only when that pays
+(``residency.pays_to_evict``) or a waiting job starves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from plexrl.coordinator import residency as rs
+from plexrl.errors import NoWorkersError
+
+if TYPE_CHECKING:
+    from plexrl.coordinator.scheduler import Scheduler, _Call, _ScheduledJob, _Worker
+
+NEW_JOB_LOAD = 0.5  # plex: the busy fraction a job is expected to need until it has been observed
+OBSERVE_S = 300.0  # plex: a job's own busy fraction replaces the guess after this long
+PACK_LOAD = 1.0  # plex: a new job goes where the expected busy fractions leave room for it
+CRITICAL = frozenset({"open", "close", "optim_step", "sync_weights"})  # short, and the next stage waits on them
+
+
+class Policy:
+    """The choices a scheduler leaves open; this base is ``fifo``'s."""
+
+    name: ClassVar[str] = "fifo"
+
+    def place(
+        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> _Worker | NoWorkersError:
+        """The home for a job (new, or re-homed) among the workers its state fits."""
+        return min(fitting, key=lambda w: len(w.jobs))  # fewest jobs; ties: the worker that joined first
+
+    def sampler(self, others: list[_Worker]) -> _Worker | None:
+        """A disaggregated job's sampler worker among the workers other than its home."""
+        return min(others, key=lambda w: (len(w.samplers), len(w.jobs)), default=None)
+
+    def rank(self, s: Scheduler, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+        """The order in which a worker's ready lanes start (lowest first)."""
+        return (call.call_id,)  # the oldest call first
+
+    def victim(
+        self, s: Scheduler, worker: _Worker, idle: list[_ScheduledJob], waiting: _ScheduledJob | None, now: float
+    ) -> _ScheduledJob | None:
+        """Which of ``idle`` (resident, nothing running) to move to host memory so ``waiting`` can
+        come in (None: the device is over its budget), or None to move nothing now."""
+        return min(idle, key=lambda j: j.state.last_done_s if j.state.last_done_s is not None else -math.inf)
+
+
+class Fifo(Policy):
+    name = "fifo"
+
+
+class Dedicated(Policy):
+    name = "dedicated"
+
+    def place(
+        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> _Worker | NoWorkersError:
+        free = [w for w in fitting if not w.jobs and not w.samplers]  # a worker of its own
+        if not free or (disaggregated and len([w for w in s.workers() if not w.jobs and not w.samplers]) < 2):
+            return NoWorkersError(
+                "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
+                "workers are free: add a worker, close a job, or use a multiplexing policy"
+            )
+        return super().place(s, free, state_bytes, base, disaggregated, now)
+
+    def sampler(self, others: list[_Worker]) -> _Worker | None:
+        return super().sampler([w for w in others if not w.jobs and not w.samplers])
+
+
+class Plex(Policy):
+    name = "plex"
+
+    def place(
+        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> _Worker | NoWorkersError:
+        """Fill devices instead of spreading jobs thin, and keep a base model's jobs together (their
+        generates batch). Among workers with room (expected busy fraction and device memory): the
+        fullest whose jobs share this job's base, else an empty one, else the fullest. With room
+        nowhere: the least loaded worker of its base, else the least loaded."""
+        loads = {w.worker_id: sum(self.load(s, j, now) for j in w.jobs) for w in fitting}
+        same_base = {w.worker_id for w in fitting if any(s.job(j).base == base for j in w.jobs)}
+        room = [
+            w
+            for w in fitting
+            if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.memory_bytes
+        ]
+        if not room:
+            # A full pool: its load is shared anyway, so its base decides (a base alone on a
+            # device pays the whole weight read of every decode step).
+            return min([w for w in fitting if w.worker_id in same_base] or fitting, key=lambda w: loads[w.worker_id])
+        same = [w for w in room if w.worker_id in same_base]
+        if same:  # the fullest of them
+            return min(same, key=lambda w: -loads[w.worker_id])
+        empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base
+        return empty[0] if empty else min(room, key=lambda w: -loads[w.worker_id])
+
+    def load(self, s: Scheduler, job_id: str, now: float) -> float:
+        """The busy fraction a job needs of its device: observed once it has run a while."""
+        usage = s.ledger.jobs.get(job_id)
+        if usage is None or usage.wall_s(now) < OBSERVE_S:
+            return NEW_JOB_LOAD
+        return s.ledger.accelerator_s(job_id, now) / usage.wall_s(now)
+
+    def rank(self, s: Scheduler, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+        """Resident first; then calls that unblock a stage; then the job furthest below its weighted
+        fair share of accelerator-seconds; then the oldest call."""
+        served = s.ledger.accelerator_s(job.job_id, now) / job.weight
+        return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
+
+    def victim(
+        self, s: Scheduler, worker: _Worker, idle: list[_ScheduledJob], waiting: _ScheduledJob | None, now: float
+    ) -> _ScheduledJob | None:
+        if waiting is not None:
+            paying = [j for j in idle if rs.pays_to_evict(j.state, worker.bytes_per_s)]
+            if paying:
+                return max(paying, key=lambda j: j.state.expected_gap_s or 0.0)
+            if not rs.starving(waiting.state, now, worker.bytes_per_s):
+                return None
+        return super().victim(s, worker, idle, waiting, now)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fifo, Dedicated, Plex)}
