@@ -1,5 +1,6 @@
-"""A client that opens a job, trains it one version, says so and then waits to be killed
-(test_leases.py). Its key comes from $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY."""
+"""A client that opens a job, trains it one version and says so (test_leases.py); then, for each
+line on its stdin, publishes one more version and prints it, until killed or stdin closes. Its
+key comes from $PLEXRL_KEY / $PLEXRL_COORDINATOR_KEY."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import asyncio
 import sys
 
 import plexrl
-from plexrl.protocol import calls
 
 
 async def main(address: str, model: str) -> None:
-    async with plexrl.connect(address) as client:
-        job_id, _ = await client.open_job("leased", calls.JobSpec(model=model))
-        synced = await client.submit(job_id, calls.SyncWeights(), plexrl.Synced)
-        print(job_id, synced.weight_version, flush=True)
-        await asyncio.Event().wait()  # until killed: its job must outlive it
+    loop = asyncio.get_running_loop()
+    async with plexrl.connect(address) as client, plexrl.job("leased", model, client=client) as job:
+        print(job.job_id, (await job.sync_weights()).weight_version, flush=True)
+        while await loop.run_in_executor(None, sys.stdin.readline):
+            print(job.job_id, (await job.sync_weights()).weight_version, flush=True)
 
 
 if __name__ == "__main__":
