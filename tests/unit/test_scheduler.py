@@ -43,9 +43,17 @@ def test_jobs_are_placed_on_the_worker_with_fewest_jobs() -> None:
     assert actions == [Place("a", "w0"), Place("b", "w1"), Place("c", "w0")]
 
 
-def test_opening_a_job_without_workers_fails_with_no_workers() -> None:
-    (action,) = run([JobOpened("a")])
-    assert isinstance(action, Fail) and action.call_id is None and isinstance(action.error, NoWorkersError)
+def test_a_job_opened_before_any_worker_registered_waits_for_one_then_gives_up() -> None:
+    s = Scheduler()
+    assert s.handle(JobOpened("a"), 0.0) == [Place("a", "")]
+    assert s.handle(CallSubmitted(1, "a", "open"), 0.0) == []
+    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0", restore=False), Dispatch(1, "w0")]
+    s.handle(JobOpened("b"), 2.0)  # placed on w0 at once
+    s.handle(WorkerLost("w0", "test"), 3.0)
+    s.handle(JobOpened("c"), 4.0)
+    s.handle(CallSubmitted(2, "c", "open"), 4.0)
+    (failed,) = [a for a in s.handle(Tick(), 4.0 + s.recovery_wait_s) if isinstance(a, Fail) and a.job_id == "c"]
+    assert isinstance(failed.error, NoWorkersError) and "opened with no worker registered" in str(failed.error)
 
 
 DISPATCH_ORDER = {
@@ -469,7 +477,7 @@ def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) 
 UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
 BPS = UNIT / 10  # a unit moves in 10 s: break-even gaps of 20-40 s, near the gaps these sequences make
 KINDS = ("generate", "generate", "generate", "forward_backward", "optim_step", "sync_weights", "load")
-BARRIER_KINDS = ("sync_weights", "load", "restore")
+BARRIER_KINDS = ("sync_weights", "load", "restore", "open")
 _submit, _finish, _moved = (
     st.tuples(st.just("submit"), st.integers(0, 10 * len(KINDS) - 1)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
@@ -520,6 +528,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     seq: dict[int, int] = {}  # call -> its place in its job's order (a restore goes first)
     recoverable: set[str] = set()
     recovering: list[str] = []  # jobs the server owes a restore call (it submits one on Recover)
+    opening: list[str] = []  # jobs placed on no worker (none registered): the server submits their open
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
     def submit(job: str, kind: str, priority: int = 0, front: bool = False) -> None:
@@ -533,7 +542,12 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
 
     def check(actions: list) -> None:
         for a in actions:
-            if isinstance(a, Place):
+            if isinstance(a, Place) and not a.worker_id:  # no worker registered: it waits for one
+                assert not workers
+                homes[a.job_id] = samplers[a.job_id] = ""
+                resident[a.job_id] = False
+                opening.append(a.job_id)
+            elif isinstance(a, Place):
                 assert a.worker_id in workers
                 if policy == "dedicated":
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker (closed ones gone)"
@@ -547,13 +561,17 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 resident[a.job_id] = fits
                 device[a.worker_id] = device.get(a.worker_id, 0) + (sizes[a.job_id] if fits else 0)
             elif isinstance(a, Recover):
-                assert a.job_id in recoverable and a.worker_id in ("", *workers) and a.worker_id != homes[a.job_id]
+                opens = [c for c in submitted[a.job_id] if kinds[c] == "open" and (c not in outcome or c in running)]
+                assert a.job_id in recoverable or opens, "only recoverable or opening jobs move"
+                assert a.worker_id in ("", *workers) and a.worker_id != homes[a.job_id]
                 homes[a.job_id] = samplers[a.job_id] = a.worker_id  # "": it waits for a worker to join
                 resident[a.job_id] = False  # its restore makes the state there
                 pending = [
                     c for c in submitted[a.job_id] if kinds[c] == "restore" and (c not in outcome or c in running)
                 ]
-                assert a.restore == (bool(a.worker_id) and not pending), "one restore at a time, on a worker"
+                assert a.restore == (bool(a.worker_id) and not pending and not opens), (
+                    "one restore at a time, on a worker; none for a job that still opens"
+                )
                 for c in [c for c, (j, w) in running.items() if j == a.job_id and w not in workers]:
                     del running[c], outcome[c]  # queued again, for its new home
                 if a.restore:  # as the server does
@@ -564,7 +582,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once (per home)"
                 on_home = kind != "generate" or samplers[job] == homes[job]
                 assert a.worker_id == (homes[job] if on_home else samplers[job]), "affinity: each lane on its worker"
-                if kind == "restore":  # it makes the state on the device, in room the scheduler kept for it
+                if kind in ("restore", "open"):  # it makes the state on the device, in room the scheduler kept
                     resident[job] = True
                     device[a.worker_id] = device.get(a.worker_id, 0) + sizes[job]
                 assert resident[job] or not on_home, "a call on the home worker runs only with the state there"
@@ -625,7 +643,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             n_jobs += 1
             submitted[j], sizes[j] = [], (arg % 3) * UNIT
             check(s.handle(JobOpened(j, sizes[j], disaggregated=3 <= arg < 6), t))
-            if arg >= 6 and j in homes:  # its open reported a snapshot-taking job
+            if arg >= 6 and homes.get(j):  # its open reported a snapshot-taking job
                 recoverable.add(j)
                 check(s.handle(JobSized(j, sizes[j], recoverable=True), t))
         elif kind == "resume":
@@ -647,8 +665,8 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             check(s.handle(CallFinished(c, error="failed" if kind == "fail" else ""), t))
         elif kind == "cancel" and next_call > 1:
             c = 1 + arg % (next_call - 1)
-            if kinds[c] == "restore":
-                continue  # the server's own call: no client can cancel it
+            if kinds[c] in ("restore", "open"):
+                continue  # the server never cancels these (a restore is its own; an open is not cancellable)
             if c not in outcome:  # still queued: it leaves its queue for good
                 outcome[c] = "cancelled"
             check(s.handle(CallCancelled(c), t))  # running, finished or failed: no effect
@@ -673,6 +691,8 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed or queued again"
         while recovering:  # the server submits a restore for each Recover that asks for one
             submit(recovering.pop(0), "restore", front=True)
+        while opening:  # and the open of a job placed before any worker registered
+            submit(opening.pop(0), "open")
 
     # Progress: with the remaining workers alive, finishing what runs, completing transfers and
     # letting time pass (ticks) settles every submitted call of a placed job within a bound.

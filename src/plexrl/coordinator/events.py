@@ -121,7 +121,9 @@ Event = (
 @dataclass(frozen=True, slots=True)
 class Place:
     """The job's trainer state lives on ``worker_id`` for the job's life; its generates run on
-    ``sampler_id`` (the same worker unless the job is disaggregated)."""
+    ``sampler_id`` (the same worker unless the job is disaggregated). ``worker_id`` "": no worker
+    is registered yet; the job waits for one (a ``Recover`` places it, its ``open`` still queued),
+    up to the scheduler's ``recovery_wait_s``."""
 
     job_id: str
     worker_id: str

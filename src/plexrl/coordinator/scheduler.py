@@ -250,10 +250,12 @@ class Scheduler:
                 for job_id, (since, why) in sorted(self._homeless.items()):
                     if now - since >= self.recovery_wait_s:
                         del self._homeless[job_id]
-                        gave_up = WorkerLostError(
+                        job = self._jobs[job_id]
+                        opening = any(self._calls[c].kind == "open" for c in job.unfinished)
+                        gave_up = (NoWorkersError if opening else WorkerLostError)(
                             f"{why}, and no worker could take it over within {self.recovery_wait_s:g} s"
                         )
-                        actions += self._lose_job(self._jobs[job_id], gave_up, now)
+                        actions += self._lose_job(job, gave_up, now)
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)
@@ -266,6 +268,16 @@ class Scheduler:
     def _place(
         self, job_id: str, state_bytes: int, weight: float, base: str, disaggregated: bool, now: float
     ) -> list[Action]:
+        if not self._workers and not disaggregated:
+            # None registered yet (the coordinator just started, or restarted and its workers are
+            # registering again): it waits for one like a job whose worker was lost.
+            job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0,
+                                base=base)  # fmt: skip
+            self._jobs[job_id] = job
+            self.ledger.job_opened(job_id, now)
+            why = f"job {job_id} opened with no worker registered (start one with `plexrl worker --coordinator ADDR`)"
+            self._homeless[job_id] = (now, why)
+            return [Place(job_id, "")]
         chosen = self._choose(state_bytes, base, disaggregated, now)
         if isinstance(chosen, NoWorkersError):
             return [Fail(job_id, None, chosen)]

@@ -840,7 +840,7 @@ class Coordinator:
         queued again, behind a restore from what ``_commit`` kept (submitted here,
         unless one is already pending)."""
         if worker_id:
-            log.warning("job %s moves to worker %s (its worker was lost)", job.job_id, worker_id)
+            log.warning("job %s goes to worker %s", job.job_id, worker_id)
         else:
             log.warning("job %s waits for a worker that can take it", job.job_id)
         job.worker_id = worker_id
