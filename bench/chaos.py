@@ -20,7 +20,8 @@ Measured per faulty run: optimizer steps lost (a job that ended with fewer than 
 its saved checkpoint's manifest) and applied twice (more), jobs finished, recovery time (from a
 kill to the next completed call of each job the killed worker held; p50 and max), and whether each
 job's final adapter equals the reference's bit for bit (every sampled token and every update
-agreed). Ends with ``steps_lost=``, ``steps_applied_twice=``, ``jobs_finished=k/n`` and
+agreed). A second fault-free run (the control) bounds that equality: what two runs without faults
+share is all a faulty run can be expected to. Ends with ``steps_lost=``, ``steps_applied_twice=``, ``jobs_finished=k/n`` and
 ``final_adapters_equal=k/n`` (the worst repetition). ``--soak HOURS`` instead loops jobs for that
 long under worker chaos and prints the coordinator's and workers' resident memory every minute.
 """
@@ -256,6 +257,12 @@ async def measure(args: Any, root: Path) -> None:
     if broken:
         raise SystemExit(f"the fault-free run failed: {broken[0].name}: {broken[0].error}")
     print(f"  {ref_wall:.1f} s")
+    # The bound on bit-equality that faults do not cause: a second fault-free run of the same jobs.
+    control, _, control_wall = await one_run(args, root, "control", None)
+    control_equal = judge(control, reference, [], args, control_wall).equal
+    print(
+        f"control (fault-free again): {control_wall:.1f} s, adapters equal to the reference {control_equal}/{args.jobs}"
+    )
     outcomes = []
     for rep in range(args.repeats):
         print(f"faulty run {rep + 1}: a worker SIGKILLed every Exp({args.kill_every} s), the coordinator "
@@ -284,6 +291,7 @@ async def measure(args: Any, root: Path) -> None:
               f"p50 {p50:.2f} s, max {max(recovery):.2f} s; the heartbeat window alone is "
               f"{args.heartbeat * 5:.1f} s, a restart waits {args.restart_after:g} s")  # fmt: skip
     worst = max(outcomes, key=lambda o: (o.steps_lost + o.steps_applied_twice, -o.finished, -o.equal))
+    print(f"control_adapters_equal={control_equal}/{args.jobs}  (two fault-free runs: the bound on the line below)")
     print(f"steps_lost={worst.steps_lost}")
     print(f"steps_applied_twice={worst.steps_applied_twice}")
     print(f"jobs_finished={min(o.finished for o in outcomes)}/{args.jobs}")
