@@ -129,6 +129,7 @@ async def chaos(cluster: plexrl.LocalCluster, client: plexrl.Client, args: Any, 
         await asyncio.sleep(args.restart_after)
         cluster.worker_processes.remove(process)
         await process.wait()
+        cluster.reap(process)  # its engine processes, as its supervisor would
         await cluster.start_worker(int(victim.name.rsplit("-", 1)[1]))  # local-i: on worker i's cores
 
 

@@ -10,6 +10,7 @@ mode 0700, removed at the end) with one worker key and one admin key, this scrip
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -87,6 +88,9 @@ class LocalCluster:
         self.address = ""
         self.coordinator: asyncio.subprocess.Process | None = None
         self.worker_processes: list[asyncio.subprocess.Process] = []
+        # Each worker runs in a process group of its own with the engine processes it starts (vLLM's
+        # engine core): a worker that dies leaves them behind, and the group is how they are freed.
+        self._worker_groups: list[int] = []
         self.client: Client | None = None
         self.keys: Path | None = None  # this run's key directory, while the cluster runs
 
@@ -204,9 +208,17 @@ class LocalCluster:
             *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
             *extra,
         )  # fmt: skip
-        process = await asyncio.create_subprocess_exec(*cmd)
+        process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
         self.worker_processes.append(process)
+        self._worker_groups.append(process.pid)
         return process
+
+    def reap(self, process: asyncio.subprocess.Process) -> None:
+        """Free what a dead worker left behind (its engine processes: a SIGKILLed worker cannot stop
+        them, and vLLM's engine core waits minutes for a front-end that is gone), as a supervisor
+        does before it starts a replacement (systemd's default ``KillMode=control-group``)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
 
     async def _stop(self) -> None:
         if self.client is not None:
@@ -221,6 +233,10 @@ class LocalCluster:
             except TimeoutError:
                 p.kill()
                 await p.wait()
+        for group in self._worker_groups:  # engine processes of workers that died on the way
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        self._worker_groups = []
         self.worker_processes = []
         self.coordinator = None
         if self.keys is not None:
