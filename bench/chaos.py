@@ -184,16 +184,20 @@ class Outcome:
     coordinator_kills: int
     recoveries: int
     wall_s: float
+    gap: float  # largest relative adapter difference from the reference (0: bit-equal or unfinished)
 
 
 def judge(runs: list[JobRun], reference: list[JobRun], kills: list[Kill], args: Any, wall_s: float) -> Outcome:
     lost = twice = equal = 0
+    gap = 0.0  # the largest relative difference of a finished job's adapter from the reference's
     for run, ref in zip(runs, reference, strict=True):
         done = run.saved_step if run.finished else (run.steps[-1] if run.steps else 0)
         lost += max(0, args.steps - done)
         twice += max(0, done - args.steps) + (run.steps != sorted(set(run.steps)))
         same = run.finished and run.weights.keys() == ref.weights.keys()
         equal += same and all(np.array_equal(run.weights[k], ref.weights[k]) for k in ref.weights)
+        if same:
+            gap = max([gap, *(relative_gap(run.weights[k], ref.weights[k]) for k in ref.weights)])
     by_name = {r.name: r for r in runs}
     recovery = [
         min((t for t in by_name[name].done_at if t > kill.at), default=float("nan")) - kill.at
@@ -203,7 +207,13 @@ def judge(runs: list[JobRun], reference: list[JobRun], kills: list[Kill], args: 
     ]
     workers_killed = sum(k.worker_id != "coordinator" for k in kills)
     return Outcome(lost, twice, sum(r.finished for r in runs), equal, [r for r in recovery if r == r], workers_killed,
-                   len(kills) - workers_killed, sum(r.recoveries for r in runs), wall_s)  # fmt: skip
+                   len(kills) - workers_killed, sum(r.recoveries for r in runs), wall_s, gap)  # fmt: skip
+
+
+def relative_gap(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| over max |b|: how far an adapter tensor is from the reference's."""
+    scale = float(np.abs(b).max()) or 1.0
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) / scale
 
 
 def spread(values: list[float], digits: int = 2) -> str:
@@ -260,9 +270,11 @@ async def measure(args: Any, root: Path) -> None:
     print(f"  {ref_wall:.1f} s")
     # The bound on bit-equality that faults do not cause: a second fault-free run of the same jobs.
     control, _, control_wall = await one_run(args, root, "control", None)
-    control_equal = judge(control, reference, [], args, control_wall).equal
+    control_outcome = judge(control, reference, [], args, control_wall)
+    control_equal = control_outcome.equal
     print(
-        f"control (fault-free again): {control_wall:.1f} s, adapters equal to the reference {control_equal}/{args.jobs}"
+        f"control (fault-free again): {control_wall:.1f} s, adapters equal to the reference {control_equal}/{args.jobs}, "
+        f"largest relative difference {control_outcome.gap:.2e}"
     )
     outcomes = []
     for rep in range(args.repeats):
@@ -279,7 +291,8 @@ async def measure(args: Any, root: Path) -> None:
         print(f"  {wall:.1f} s, {outcome.kills} worker kills, {outcome.coordinator_kills} coordinator kills, "
               f"{outcome.recoveries} job recoveries; steps lost "
               f"{outcome.steps_lost}, applied twice {outcome.steps_applied_twice}, finished "
-              f"{outcome.finished}/{args.jobs}, adapters equal to the reference {outcome.equal}/{args.jobs}", flush=True)  # fmt: skip
+              f"{outcome.finished}/{args.jobs}, adapters equal to the reference {outcome.equal}/{args.jobs} "
+              f"(largest relative difference {outcome.gap:.2e})", flush=True)  # fmt: skip
     recovery = [s for o in outcomes for s in o.recovery_s]
     print(f"\n{args.jobs} jobs x {args.steps} steps on {args.workers} workers ({args.sampler} sampler), "
           f"{args.repeats} faulty runs against one fault-free reference ({ref_wall:.1f} s)")  # fmt: skip
@@ -292,6 +305,8 @@ async def measure(args: Any, root: Path) -> None:
               f"p50 {p50:.2f} s, max {max(recovery):.2f} s; the heartbeat window alone is "
               f"{args.heartbeat * 5:.1f} s, a restart waits {args.restart_after:g} s")  # fmt: skip
     worst = max(outcomes, key=lambda o: (o.steps_lost + o.steps_applied_twice, -o.finished, -o.equal))
+    print(f"adapter differences from the reference (max |a-b| / max |b|): control {control_outcome.gap:.2e}, "
+          f"faulty runs at most {max(o.gap for o in outcomes):.2e}")  # fmt: skip
     print(f"control_adapters_equal={control_equal}/{args.jobs}  (two fault-free runs: the bound on the line below)")
     print(f"steps_lost={worst.steps_lost}")
     print(f"steps_applied_twice={worst.steps_applied_twice}")
