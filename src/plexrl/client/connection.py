@@ -283,7 +283,9 @@ class Client:
         from plexrl.client.job import Job  # job.py imports this module
 
         done: m.Reattached = await self.request(m.Reattach(name=name), expect(m.Reattached))
-        return Job(self, done.job_id, done.name, done.spec, done.opened, next_seq=done.next_seq)
+        return Job(
+            self, done.job_id, done.name, done.spec, done.opened, next_seq=done.next_seq, generates=done.generates
+        )
 
     async def status(self, min_workers: int = 0) -> m.StatusReply:
         """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""

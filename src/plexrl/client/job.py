@@ -46,7 +46,14 @@ class Optimized(msgspec.Struct, frozen=True):
 
 class Job:
     def __init__(
-        self, client: Client, job_id: str, name: str, spec: calls.JobSpec, opened: calls.Opened, next_seq: int = 1
+        self,
+        client: Client,
+        job_id: str,
+        name: str,
+        spec: calls.JobSpec,
+        opened: calls.Opened,
+        next_seq: int = 1,
+        generates: int = 0,
     ) -> None:
         self.client = client
         self.job_id = job_id
@@ -54,9 +61,11 @@ class Job:
         self.spec = spec
         self.trainable_params = opened.trainable_params
         self._closed = False
-        # Its calls' numbers in submission order: a generate's seed derives from its number (so
-        # a retry samples the same), and a resumed client learns which calls the job holds.
+        # Its calls' numbers in submission order (a resumed client learns which the job holds), and
+        # its generates': each is seeded by its index unless it names a seed, so a generate sent
+        # again (after a worker's death or a coordinator restart) samples the same tokens.
         self._seqs = itertools.count(next_seq)
+        self._generates = itertools.count(generates)
         client.jobs[job_id] = self
 
     def __repr__(self) -> str:
@@ -69,6 +78,10 @@ class Job:
         ``priority``: among this job's queued generates, lower is admitted first."""
         params = params or SamplingParams()
         params.validate()
+        if params.seed is None:
+            params = msgspec.structs.replace(params, seed=calls.generate_seed(self.spec.seed, next(self._generates)))
+        else:
+            next(self._generates)
         rows = prompts if isinstance(prompts, Ragged) else Ragged.from_rows(prompts, "int32")
         return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated, priority)
 

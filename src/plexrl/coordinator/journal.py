@@ -43,6 +43,7 @@ class JobRow(Envelope, tag="journal_job", frozen=True):
     next_seq: int = 1  # past the highest call number it was given
     recoveries: int = 0  # times it was rebuilt (its worker lost, or the coordinator restarted)
     token: str = ""  # its OpenJob's token
+    generates: int = 0  # its generate calls so far, as of this commit
 
 
 class SnapshotRow(Envelope, tag="journal_snapshot", frozen=True):

@@ -89,6 +89,7 @@ class _JobRecord:
     open: calls.Open | None = None  # the call that opened it (a restore opens it again elsewhere)
     weight: float = 1.0
     next_seq: int = 1  # the number (``Submit.seq``) its next call gets unless its client numbers it
+    generates: int = 0  # its generate calls so far (the seed index of the next)
     # Its commit point: its state holds its calls up to number ``committed_seq``, the last of
     # which returned ``committed``; ``weights_seq``: the last that changed what its sampler serves.
     committed_seq: int = 0
@@ -285,6 +286,7 @@ class Coordinator:
                 opened=row.opened, open=row.open, weight=row.weight, next_seq=row.next_seq,
                 committed_seq=row.committed_seq, committed=row.committed, weights_seq=row.weights_seq,
                 recoverable=True, snapshot=found.snapshot, replay=found.replay, recoveries=row.recoveries, token=row.token,
+                generates=row.generates,
             )  # fmt: skip
             self._jobs[job.job_id] = job
             log.warning("job %s resumed from the journal (its calls up to %d)", job.job_id, job.committed_seq)
@@ -296,7 +298,7 @@ class Coordinator:
         return JobRow(
             job_id=job.job_id, name=job.name, owner=job.owner, weight=job.weight, open=job.open, opened=job.opened,
             committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
-            next_seq=job.next_seq, recoveries=job.recoveries, token=job.token,
+            next_seq=job.next_seq, recoveries=job.recoveries, token=job.token, generates=job.generates,
         )  # fmt: skip
 
     # -- loops ----------------------------------------------------------------------------------
@@ -533,10 +535,11 @@ class Coordinator:
             job.state = "closing"
         call, seq = msg.call, msg.seq or job.next_seq
         job.next_seq = max(job.next_seq, seq + 1)
-        if isinstance(call, calls.Generate) and call.params.seed is None:
-            # Seeded by its number, so a retry (elsewhere, or after a restart) samples the same.
-            params = msgspec.structs.replace(call.params, seed=calls.generate_seed(job.spec.seed, seq))
-            call = msgspec.structs.replace(call, params=params)
+        if isinstance(call, calls.Generate):
+            if call.params.seed is None:  # the client's Job seeds its generates; a raw Submit may not
+                seed = calls.generate_seed(job.spec.seed, job.generates)  # so a retry elsewhere samples the same
+                call = msgspec.structs.replace(call, params=msgspec.structs.replace(call.params, seed=seed))
+            job.generates += 1
         call_id = next(self._call_ids)
         self._calls[call_id] = _CallRecord(
             call_id, job.job_id, ident, msg.rid, call, tenant=tenant, nbytes=nbytes, seq=seq
@@ -619,7 +622,7 @@ class Coordinator:
         attached = m.Reattached(
             rid=rid, job_id=job.job_id, name=job.name, spec=job.spec, opened=job.opened,
             committed_seq=job.committed_seq, committed=job.committed, weights_seq=job.weights_seq,
-            next_seq=job.next_seq,
+            next_seq=job.next_seq, generates=job.generates,
         )  # fmt: skip
         self._send(ident, attached)
 

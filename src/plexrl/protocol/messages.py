@@ -88,9 +88,9 @@ class Submit(Envelope, tag="submit", frozen=True):
     job_id: str
     call: Call
     priority: int = 0  # generates: lower is admitted first (a rollout's frontier groups)
-    # The call's number in its job's order (1, 2, ...; the client's ``Job`` counts): a generate's
-    # seed derives from it, and a restarted coordinator says up to which number its journal holds
-    # the job's calls. 0: the coordinator numbers it.
+    # The call's number in its job's order (1, 2, ...; the client's ``Job`` counts): a restarted
+    # coordinator says up to which number its journal holds the job's calls. 0: the coordinator
+    # numbers it.
     seq: int = 0
 
 
@@ -129,6 +129,7 @@ class Reattached(Envelope, tag="reattached", frozen=True):
     committed: Result | None = None
     weights_seq: int = 0
     next_seq: int = 1  # the number its next call gets
+    generates: int = 0  # its generate calls so far: the seed index of its next
 
 
 class Welcome(Envelope, tag="welcome", frozen=True):
