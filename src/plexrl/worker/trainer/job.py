@@ -155,8 +155,8 @@ class WorkerJob:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids {bad} are outside the vocabulary [0, {self.base.vocab_size})"
             )
-        # The coordinator seeds every generate (so a retry on another worker samples the same); this
-        # counter seeds the calls of in-process use.
+        # Generates arrive seeded (the client's Job, or the coordinator, seeds each by its index, so a
+        # retry on another worker samples the same); this counter seeds the calls of in-process use.
         seed = generate_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
         self.generate_calls += 1
         if self.vllm is not None:
