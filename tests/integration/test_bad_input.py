@@ -4,8 +4,9 @@ keeps serving everyone else. A raw DEALER socket plays the misbehaving client.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
@@ -44,9 +45,9 @@ async def embedded(tiny_model: Path) -> AsyncIterator[plexrl.LocalCluster]:
 RAW_KEYS = itertools.count()
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
-    """A tenant of its own: a client key issued to the running cluster just now (it said Hello)."""
+@contextlib.contextmanager
+def _new_tenant(embedded: plexrl.LocalCluster, cluster: Client) -> Iterator[zmq.asyncio.Socket]:
+    """A raw connection with a client key issued to the running cluster just now."""
     assert embedded.keys is not None
     key = auth.add_key(embedded.keys, f"raw-{next(RAW_KEYS)}", "client")
     ctx = zmq.asyncio.Context()
@@ -54,11 +55,20 @@ async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[z
     sock.setsockopt(zmq.LINGER, 0)
     auth.Credentials.load(key, embedded.keys / "coordinator.key").apply(sock)
     sock.connect(cluster.address)
-    _send(sock, m.Hello(rid=1))
-    assert isinstance(await _reply(sock), m.Welcome)
-    yield sock
-    sock.close()
-    ctx.term()
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def raw(embedded: plexrl.LocalCluster, cluster: Client) -> AsyncIterator[zmq.asyncio.Socket]:
+    """A tenant of its own that said Hello."""
+    with _new_tenant(embedded, cluster) as sock:
+        _send(sock, m.Hello(rid=1))
+        assert isinstance(await _reply(sock), m.Welcome)
+        yield sock
 
 
 async def _reply(sock: zmq.asyncio.Socket, timeout_s: float = 10.0) -> m.CoordinatorToClient | None:
@@ -130,14 +140,7 @@ async def test_an_oversized_message_gets_an_error_and_a_huge_one_is_dropped(
 async def test_a_connection_that_did_not_say_hello_is_told_to(embedded: plexrl.LocalCluster, cluster: Client) -> None:
     """What a client hears from a coordinator that restarted (or declared it gone): it says Hello
     again and reattaches its jobs (tests/integration/test_coordinator_restart.py)."""
-    assert embedded.keys is not None
-    key = auth.add_key(embedded.keys, f"raw-{next(RAW_KEYS)}", "client")
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    auth.Credentials.load(key, embedded.keys / "coordinator.key").apply(sock)
-    sock.connect(cluster.address)
-    try:
+    with _new_tenant(embedded, cluster) as sock:
         _send(sock, m.StatusRequest(rid=3))
         reply = await _reply(sock)
         assert isinstance(reply, m.ErrorReply) and reply.code == "unknown_client" and reply.rid == 3
@@ -149,9 +152,6 @@ async def test_a_connection_that_did_not_say_hello_is_told_to(embedded: plexrl.L
         _send(sock, m.Heartbeat())
         beat = await _reply(sock)
         assert isinstance(beat, m.Heartbeat) and beat.known
-    finally:
-        sock.close()
-        ctx.term()
 
 
 async def test_calls_on_unknown_or_foreign_jobs_are_refused(

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import plexrl
+from integration.same_results import assert_same_results
 from plexrl.errors import CoordinatorLostError, UnknownJobError
 from plexrl.protocol import calls
 from plexrl.types import LoRA
@@ -61,19 +61,7 @@ async def test_a_job_goes_on_across_a_coordinator_restart_as_if_nothing_happened
     calm, none = await run(tiny_model, tmp_path / "calm.sqlite", kill_at=None)
     faulted, once = await run(tiny_model, tmp_path / "faulted.sqlite", kill_at=1)
     assert (none, once) == (0, 1)  # rebuilt once, from the journal
-    assert all(r.grad_norm > 0 for r in calm if isinstance(r, plexrl.OptimStepResult))  # the weights moved
-    assert len(calm) == len(faulted)
-    for a, b in zip(calm, faulted, strict=True):
-        assert type(a) is type(b)
-        if isinstance(a, plexrl.Generated):
-            assert isinstance(b, plexrl.Generated)
-            assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
-            assert a.weight_version == b.weight_version
-            np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)
-        elif hasattr(a, "logprobs"):  # the probe under the final weights
-            np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)  # type: ignore[attr-defined]
-        else:
-            assert a == b  # losses, steps, grad norms, versions
+    assert_same_results(calm, faulted)
 
 
 async def test_without_a_journal_a_restart_fails_the_jobs_calls_with_a_typed_error(tiny_model: Path) -> None:
