@@ -512,6 +512,9 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
 # job's generate queued there (the freed slot must start it).
 @example(ops=[("join", 1), ("join", 1), ("open", 3), ("open", 0), ("open", 0), ("submit", 30), ("submit", 2),
               ("lose", 1)])  # fmt: skip
+# And: dedicated, two jobs opened before any worker; the first closes and the second must then
+# open on a worker (found by hypothesis: it was placed on a worker where nothing started it).
+@example(ops=[("open", 0), ("open", 0), ("join", 1), ("finish", 0), ("close", 0), ("join", 1)])
 def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
     s = Scheduler(policy)
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)

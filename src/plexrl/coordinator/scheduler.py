@@ -210,8 +210,7 @@ class Scheduler:
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
-                for job_id in sorted(self._homeless):  # jobs that lost their worker and wait for one
-                    actions += self._rehome(self._jobs[job_id], now)
+                actions += self._rehome_waiting(now)
                 touched = worker_id
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
@@ -244,6 +243,8 @@ class Scheduler:
                     if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
                         worker.used_bytes -= job.state.state_bytes
                     touched = job.home
+                if self._homeless:  # a worker it held may take a waiting job now (dedicated)
+                    actions += self._rehome_waiting(now)
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 touched = self._swap_done(job_id, seconds, moved_bytes, ok)
             case Tick():  # only workers with a job waiting for room can change anything
@@ -428,6 +429,17 @@ class Scheduler:
         self._homeless[job.job_id] = (now, lost)
         actions = self._rehome(job, now)
         return actions or [Recover(job.job_id, "", restore=False)]  # it waits for a worker
+
+    def _rehome_waiting(self, now: float) -> list[Action]:
+        """Place the jobs waiting for a worker where one can take them now (a worker joined, or a
+        job closed and freed one), and start their calls there."""
+        actions: list[Action] = []
+        for job_id in sorted(self._homeless):
+            actions += self._rehome(self._jobs[job_id], now)
+        homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id}
+        for home in sorted(homes):
+            actions += self._dispatch(self._workers[home], now)
+        return actions
 
     def _rehome(self, job: _ScheduledJob, now: float) -> list[Action]:
         """Place a job that lost its worker, if a worker can take it now."""
