@@ -25,7 +25,7 @@ if not vllm_sampler.available():
         raise RuntimeError("PLEXRL_REQUIRE_VLLM is set but vLLM is not installed")
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-HANG_S = 10.0  # past the tick-free warm-up of a first batch (adapter load, kernels; >4 s on slow machines)
+HANG_S = 10.0  # past a first batch's tick-free adapter load (the engine compiled its kernels at start: _warm_up)
 INTERVAL, LIVENESS = 0.25, 8  # heartbeats: a silent worker would be dead after 2 s
 
 
@@ -43,7 +43,7 @@ async def test_a_worker_whose_engine_stops_progressing_is_declared_hung_and_exit
     async with cluster as client, plexrl.job("wedged", TINY_MODEL, seed=1) as job:
         (worker,) = (await client.status()).workers
         (proc,) = cluster.worker_processes
-        # The engine's first requests warm it up (adapter load, kernels for these batch shapes): no ticks.
+        # The job's first requests load its adapter and meet these batch shapes: no ticks meanwhile.
         await job.generate([[1, 5]], plexrl.SamplingParams(max_tokens=2))
         await job.generate([[1, 5, 6, 7]] * 32, plexrl.SamplingParams(n=8, max_tokens=4, min_tokens=4))
         # Slow but alive: this generate runs for longer than the hang timeout, making progress.

@@ -137,6 +137,7 @@ class VllmSampler:
         self._thread.start()
         try:
             self._engine = self._call(self._start(device), self.config.start_timeout_s)
+            self._call(self._warm_up(), self.config.start_timeout_s)
         except BaseException:
             self._stop_loop()
             raise
@@ -191,6 +192,21 @@ class VllmSampler:
             enable_chunked_prefill=device != "cpu",
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_progress_logger, self.progress)])
+
+    async def _warm_up(self) -> None:
+        """Sample two tokens the way ``submit`` does, so what vLLM compiles on a request's first
+        use (the logprobs gather is a ``torch.compile``d function: a C++ build, 2 s on an idle core,
+        over 15 s on a loaded one) is built while the engine starts, not inside the first user's
+        generate, where no engine step ticks the worker's progress meanwhile."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from vllm import SamplingParams as VllmParams
+
+        params = VllmParams(
+            max_tokens=2, seed=0, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        async for _ in self._engine.generate({"prompt_token_ids": [0], "cache_salt": "warm-up"}, params, "warm-up"):
+            pass
 
     def close(self) -> None:
         """Shut the engine down and free the adapters' RAM."""
