@@ -4,10 +4,12 @@ then invariants over random event sequences (hypothesis)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
+from plexrl.coordinator.buckets import Mlfq, Trajectories, Trajectory, bucket_for
 from plexrl.coordinator.events import (
+    ROLES,
     CallCancelled,
     CallFinished,
     CallSubmitted,
@@ -22,8 +24,10 @@ from plexrl.coordinator.events import (
     Swap,
     SwapDone,
     Tick,
+    TurnSignals,
     WorkerJoined,
     WorkerLost,
+    WorkerRole,
 )
 from plexrl.coordinator.policies import POLICIES
 from plexrl.coordinator.scheduler import Scheduler
@@ -485,7 +489,13 @@ _submit, _finish, _moved = (
 )
 op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
     st.tuples(st.just("join"), st.integers(1, 3)),
-    st.tuples(st.just("open"), st.integers(0, 11)),  # size 0-2 units; 3-5: disaggregated; 6-11: recoverable
+    st.tuples(st.just("rollout"), st.integers(0, 5)),  # a rollout worker joins: bucket 0-2, 1-2 slots
+    st.tuples(st.just("role"), st.integers(0, 29)),  # a worker changes role (Libra's elastic roles)
+    st.tuples(
+        st.just("open"), st.integers(0, 15)
+    ),  # size 0-2 units; 3-5: disaggregated; 6-11: recoverable; 12-15: pooled
+    st.tuples(st.just("turn"), st.integers(0, 999)),  # a pooled job's next turn of one of its trajectories
+    st.tuples(st.just("turn"), st.integers(0, 999)),
     st.tuples(st.just("resume"), st.integers(0, 2)),  # a recoverable job from a restarted coordinator's journal
     _submit,
     _submit,
@@ -502,6 +512,31 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
 )
 
 
+_turn = st.tuples(st.just("turn"), st.integers(0, 999))
+libra_op = st.one_of(  # pooled jobs' turns on rollout workers of a few buckets, workers changing roles
+    st.tuples(st.just("join"), st.integers(1, 3)),
+    st.tuples(st.just("rollout"), st.integers(0, 5)),
+    st.tuples(st.just("rollout"), st.integers(0, 5)),
+    st.tuples(st.just("role"), st.integers(0, 29)),
+    st.tuples(st.just("open"), st.integers(12, 15)),
+    st.tuples(st.just("open"), st.integers(0, 15)),
+    *[_turn] * 4,
+    *[_finish] * 4,
+    _submit,
+    _moved,
+    st.tuples(st.just("lose"), st.integers(0, 9)),
+    st.tuples(st.just("close"), st.integers(0, 9)),
+    st.tuples(st.just("tick"), st.integers(1, 300)),
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=1000, deadline=None)
+@given(ops=st.lists(libra_op, min_size=30, max_size=80))
+def test_invariants_hold_with_buckets_and_roles(policy: str, ops: list[tuple[str, int]]) -> None:
+    check_invariants(policy, ops)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=1500, deadline=None)
 @given(ops=st.lists(op, max_size=80))
@@ -516,8 +551,19 @@ op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill 
 # open on a worker (found by hypothesis: it was placed on a worker where nothing started it).
 @example(ops=[("open", 0), ("open", 0), ("join", 1), ("finish", 0), ("close", 0), ("join", 1)])
 def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[str, int]]) -> None:
+    check_invariants(policy, ops)
+
+
+def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
+    """Run ``ops`` through a scheduler and hold every action to the invariants (AssertionError if not)."""
     s = Scheduler(policy)
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
+    roles: dict[str, tuple[str, int]] = {}  # alive worker -> (role, bucket)
+    pooled: set[str] = set()
+    turn_of: dict[int, str] = {}  # a pooled job's generate -> its trajectory
+    last_turn: dict[tuple[str, str], int] = {}  # (job, trajectory) -> its latest turn (call id)
+    turns: dict[tuple[str, str], int] = {}  # (job, trajectory) -> turns submitted
+    levels: dict[tuple[str, str], int] = {}  # (job, trajectory) -> its level at its last dispatch
     homes: dict[str, str] = {}  # job -> home worker
     sizes: dict[str, int] = {}  # job -> state bytes
     resident: dict[str, bool] = {}  # job -> its state is on its home device (as the actions say)
@@ -534,24 +580,29 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     opening: list[str] = []  # jobs placed on no worker (none registered): the server submits their open
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
-    def submit(job: str, kind: str, priority: int = 0, front: bool = False) -> None:
+    def submit(job: str, kind: str, priority: int = 0, front: bool = False, signals: TurnSignals | None = None) -> None:
         nonlocal next_call
         c = next_call
         next_call += 1
         submitted[job].append(c)
         kinds[c] = kind
         seq[c] = -c if front else c
-        check(s.handle(CallSubmitted(c, job, kind, priority=priority, front=front), t))
+        traj = turn_of.get(c, "")
+        event = CallSubmitted(
+            c, job, kind, priority=priority, front=front, trajectory=traj, signals=signals or TurnSignals()
+        )
+        check(s.handle(event, t))
 
     def check(actions: list) -> None:
         for a in actions:
             if isinstance(a, Place) and not a.worker_id:  # no worker registered: it waits for one
-                assert not workers
+                assert all(role == "rollout" for role, _ in roles.values()), "it waits only with no worker for homes"
                 homes[a.job_id] = samplers[a.job_id] = ""
                 resident[a.job_id] = False
                 opening.append(a.job_id)
             elif isinstance(a, Place):
                 assert a.worker_id in workers
+                assert roles[a.worker_id][0] != "rollout", "no job's home on a rollout worker"
                 if policy == "dedicated":
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker (closed ones gone)"
                 homes[a.job_id] = a.worker_id
@@ -567,6 +618,7 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 opens = [c for c in submitted[a.job_id] if kinds[c] == "open" and (c not in outcome or c in running)]
                 assert a.job_id in recoverable or opens, "only recoverable or opening jobs move"
                 assert a.worker_id in ("", *workers) and a.worker_id != homes[a.job_id]
+                assert not a.worker_id or roles[a.worker_id][0] != "rollout", "no job's home on a rollout worker"
                 homes[a.job_id] = samplers[a.job_id] = a.worker_id  # "": it waits for a worker to join
                 resident[a.job_id] = False  # its restore makes the state there
                 pending = [
@@ -583,8 +635,24 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
                 kind = kinds[a.call_id]
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once (per home)"
-                on_home = kind != "generate" or samplers[job] == homes[job]
-                assert a.worker_id == (homes[job] if on_home else samplers[job]), "affinity: each lane on its worker"
+                rollout = sorted({b for r, b in roles.values() if r == "rollout"})
+                if job in pooled and kind == "generate" and rollout:  # a turn, on the rollout workers
+                    level = 0  # a generate outside any trajectory
+                    if a.call_id in turn_of:
+                        key = (job, turn_of[a.call_id])
+                        traj = s.trajectories.get(*key)
+                        assert traj is not None and last_turn[key] == a.call_id
+                        assert traj.level >= levels.get(key, 0), "a trajectory's level never goes back up the queue"
+                        level = levels[key] = traj.level
+                    assert roles[a.worker_id] == ("rollout", bucket_for(level, rollout)), (
+                        "a turn runs on a rollout worker of the bucket serving its trajectory's level"
+                    )
+                    on_home = False
+                else:
+                    on_home = kind != "generate" or samplers[job] == homes[job]
+                    assert a.worker_id == (homes[job] if on_home else samplers[job]), (
+                        "affinity: each lane on its worker"
+                    )
                 if kind in ("restore", "open"):  # it makes the state on the device, in room the scheduler kept
                     resident[job] = True
                     device[a.worker_id] = device.get(a.worker_id, 0) + sizes[job]
@@ -640,12 +708,37 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             w = f"w{n_workers}"
             n_workers += 1
             workers[w] = (arg, (1 + arg % 2) * UNIT)  # room for one or two big jobs
+            roles[w] = ("both", 0)
             check(s.handle(WorkerJoined(w, slots=arg, memory_bytes=(1 + arg % 2) * UNIT, swap_bytes_per_s=BPS), t))
+        elif kind == "rollout":
+            w = f"w{n_workers}"
+            n_workers += 1
+            workers[w], roles[w] = (1 + arg // 3, UNIT), ("rollout", arg % 3)
+            check(s.handle(WorkerJoined(w, slots=1 + arg // 3, memory_bytes=UNIT, role="rollout", bucket=arg % 3), t))
+        elif kind == "role" and workers:
+            w = sorted(workers)[arg % len(workers)]
+            roles[w] = (ROLES[arg // 10], roles[w][1])
+            check(s.handle(WorkerRole(w, ROLES[arg // 10]), t))
+        elif kind == "turn" and pooled & homes.keys():
+            j = sorted(pooled & homes.keys())[arg % len(pooled & homes.keys())]
+            key = (j, f"t{arg % 3}")
+            if key in last_turn and (last_turn[key] not in outcome or last_turn[key] in running):
+                continue  # an agent submits a trajectory's next turn once its last one is done
+            n = turns[key] = turns.get(key, 0) + 1
+            last_turn[key] = next_call
+            turn_of[next_call] = key[1]
+            submit(
+                j,
+                "generate",
+                signals=TurnSignals(turn=n - 1, tool_errors=(arg // 3) % 3, tokens=arg, token_budget=1000),
+            )
         elif kind == "open":
             j = f"j{n_jobs}"
             n_jobs += 1
             submitted[j], sizes[j] = [], (arg % 3) * UNIT
-            check(s.handle(JobOpened(j, sizes[j], disaggregated=3 <= arg < 6), t))
+            if arg >= 12:
+                pooled.add(j)
+            check(s.handle(JobOpened(j, sizes[j], disaggregated=3 <= arg < 6, pooled=arg >= 12), t))
             if arg >= 6 and homes.get(j):  # its open reported a snapshot-taking job
                 recoverable.add(j)
                 check(s.handle(JobSized(j, sizes[j], recoverable=True), t))
@@ -688,8 +781,10 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
             check(s.handle(JobClosed(j), t))
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
-            del workers[w]
+            del workers[w], roles[w]
             moving.pop(w, None)
+            for c in [c for c, (j, rw) in running.items() if rw == w and j in pooled and homes[j] != w]:
+                del running[c], outcome[c]  # a pooled turn on a rollout worker: queued again, without an action
             check(s.handle(WorkerLost(w, "test"), t))
             assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed or queued again"
         while recovering:  # the server submits a restore for each Recover that asks for one
@@ -767,3 +862,138 @@ def test_a_closing_job_is_never_moved_out(policy: str) -> None:
     assert s.handle(CallFinished(1), 2.0) == []  # a is closed on its worker: nothing to move out
     assert s.handle(Tick(), 100.0) == []  # not even once b starves
     assert s.handle(JobClosed("a"), 100.0) == [Swap("b", "w0", "device", G)]
+
+
+# -- Libra: buckets and roles ------------------------------------------------------------------
+
+
+def _pool(*buckets: int, slots: int = 2) -> Scheduler:
+    """A train worker w0 holding pooled job "a", and a rollout worker per bucket (r0, r1, ...)."""
+    s = Scheduler("fifo", mlfq=Mlfq(service_s=(10.0,), turns_per_level=2))
+    s.handle(WorkerJoined("w0"), 0.0)
+    for i, b in enumerate(buckets):
+        s.handle(WorkerJoined(f"r{i}", slots=slots, role="rollout", bucket=b), 0.0)
+    assert s.handle(JobOpened("a", pooled=True), 0.0) == [Place("a", "w0")]
+    return s
+
+
+def test_the_mlfq_moves_a_trajectory_down_by_service_and_by_what_its_tools_said() -> None:
+    q = Mlfq(levels=4, service_s=(2.0, 8.0), turns_per_level=4, errors_per_level=1, budget_fraction=0.5)
+    assert q.level(TurnSignals(), 0.0) == 0
+    assert q.level(TurnSignals(), 2.0) == 1 and q.level(TurnSignals(), 8.0) == 2
+    assert q.level(TurnSignals(tool_errors=1), 0.0) == 1 and q.level(TurnSignals(retries=2), 0.0) == 2
+    assert q.level(TurnSignals(turn=3), 0.0) == 0 and q.level(TurnSignals(turn=4), 0.0) == 1
+    assert q.level(TurnSignals(tokens=499, token_budget=1000), 0.0) == 0
+    assert q.level(TurnSignals(tokens=500, token_budget=1000), 0.0) == 1
+    assert q.level(TurnSignals(tool_errors=9), 99.0) == 3  # the last level holds the rest
+    assert [bucket_for(level, [0, 2]) for level in range(4)] == [0, 0, 2, 2]
+    assert bucket_for(0, [1, 3]) == 1  # below every bucket: the lowest
+
+
+def test_pooled_turns_go_to_their_levels_bucket_and_stay_on_their_last_worker() -> None:
+    s = _pool(0, 0, 2)
+    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 1.0) == [Dispatch(1, "r0")]
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="u"), 1.0) == [Dispatch(2, "r0")]
+    s.handle(CallFinished(1), 2.0)
+    s.handle(CallSubmitted(3, "a", "generate", trajectory="v"), 2.0)  # r0 full again (2 slots)
+    # t's second turn: r0 (its last worker) has no free slot, so another worker of bucket 0 takes it.
+    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 3.0) == [
+        Dispatch(4, "r1")
+    ]
+    s.handle(CallFinished(4), 4.0)
+    # Its third turn (two taken: level 1 of this queue) still goes to bucket 0, on r1, now its last.
+    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="t", signals=TurnSignals(turn=2)), 5.0) == [
+        Dispatch(5, "r1", priority=1)
+    ]
+    s.handle(CallFinished(5), 6.0)
+    # A tool error: level 2, the straggler bucket; the vLLM priority is the level.
+    signals = TurnSignals(turn=3, tool_errors=1)
+    assert s.handle(CallSubmitted(6, "a", "generate", trajectory="t", signals=signals), 7.0) == [
+        Dispatch(6, "r2", priority=2)
+    ]
+
+
+def test_a_trajectory_moves_down_once_its_turns_received_enough_service() -> None:
+    s = _pool(0, 1)
+    s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0)
+    s.handle(CallFinished(1), 12.0)  # 12 s of service: past the 10 s threshold
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 13.0) == [
+        Dispatch(2, "r1", priority=1)
+    ]
+    # A level never goes back: the next turn with no new signal stays at level 1.
+    s.handle(CallFinished(2), 14.0)
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t"), 15.0) == [Dispatch(3, "r1", priority=1)]
+
+
+def test_pooled_turns_wait_for_a_barrier_on_the_home_and_the_barrier_for_them() -> None:
+    s = _pool(0)
+    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0) == [Dispatch(1, "r0")]
+    assert s.handle(CallSubmitted(2, "a", "sync_weights"), 0.0) == []  # waits for the turn on r0
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 0.0) == []  # waits for the sync
+    assert s.handle(CallFinished(1), 1.0) == [Dispatch(2, "w0")]
+    assert s.handle(CallFinished(2), 2.0) == [Dispatch(3, "r0")]
+
+
+def test_no_home_on_a_rollout_worker_and_turns_run_on_the_home_without_one() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("r0", role="rollout"), 0.0)
+    assert s.handle(JobOpened("a", pooled=True), 0.0) == [Place("a", "")]  # it waits for a home
+    s.handle(CallSubmitted(1, "a", "open"), 0.0)
+    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0", restore=False), Dispatch(1, "w0")]
+    s.handle(CallFinished(1), 2.0)
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 2.0) == [Dispatch(2, "r0")]
+    # The rollout worker is lost mid-turn: the turn is queued again and, with no rollout worker
+    # left, runs on the job's home.
+    assert s.handle(WorkerLost("r0", "test"), 3.0) == [Dispatch(2, "w0")]
+
+
+def test_a_worker_moved_to_training_finishes_its_turns_and_takes_no_more() -> None:
+    s = _pool(0, 0, slots=1)
+    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0) == [Dispatch(1, "r0")]
+    assert s.handle(WorkerRole("r0", "train"), 1.0) == []  # its turn runs on
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t2"), 1.0) == [Dispatch(2, "r1")]
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t3"), 1.0) == []  # r1 full; r0 trains now
+    assert s.handle(CallFinished(1), 2.0) == []
+    assert s.handle(JobOpened("b"), 2.0) == [Place("b", "r0")]  # a home now (fewest jobs)
+    assert s.handle(WorkerRole("r0", "rollout"), 3.0) == [Dispatch(3, "r0")]  # and back: it takes turns again
+
+
+def _plant_no_buckets(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(Scheduler, "_takes_turn", lambda self, worker, buckets, job, call: True)
+
+
+def _plant_levels_go_back(mp: pytest.MonkeyPatch) -> None:
+    def turn(self: Trajectories, job_id: str, trajectory: str, signals: TurnSignals) -> int:
+        traj = self._by_job.setdefault(job_id, {}).setdefault(trajectory, Trajectory())
+        traj.level = self.mlfq.level(signals, traj.service_s)  # forgets the level it reached
+        return traj.level
+
+    mp.setattr(Trajectories, "turn", turn)
+
+
+PLANTED = {
+    "turns ignore buckets": _plant_no_buckets,
+    "levels go back up": _plant_levels_go_back,
+    "turns stay on the home": lambda mp: mp.setattr(Scheduler, "_pooled_away", lambda self, job: False),
+    "homes on rollout workers": lambda mp: mp.setattr(Scheduler, "_homes", lambda self: list(self._workers.values())),
+    "a barrier's end wakes no rollout worker": lambda mp: mp.setattr(
+        Scheduler,
+        "_other_workers",
+        lambda self, call: [self._jobs[call.job_id].home] if call.job_id in self._jobs else [],
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_planted_bugs_in_buckets_and_roles_are_caught_by_the_invariants(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    PLANTED[bug](monkeypatch)
+
+    @settings(max_examples=3000, deadline=None, database=None, phases=[Phase.generate], report_multiple_bugs=False)
+    @given(ops=st.lists(libra_op, min_size=30, max_size=80))
+    def search(ops: list[tuple[str, int]]) -> None:
+        check_invariants("plex", ops)
+
+    with pytest.raises(AssertionError):
+        search()

@@ -13,6 +13,9 @@ from plexrl.errors import PlexError
 # -- events (server -> scheduler) --------------------------------------------------------------
 
 
+ROLES = ("both", "rollout", "train")  # what a worker serves: homes and their generates; pooled turns; homes only
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerJoined:
     worker_id: str
@@ -20,6 +23,17 @@ class WorkerJoined:
     memory_bytes: float = math.inf  # device memory for jobs' state
     swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
     trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
+    role: str = "both"  # "rollout": pooled jobs' turns only, no job's home (Libra); "train": homes only
+    bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves (coordinator/buckets.py)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """Move a worker between rollout and training (Libra's elastic roles): it stops taking calls
+    of its old role at once, and its running ones finish where they are."""
+
+    worker_id: str
+    role: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +49,7 @@ class JobOpened:
     weight: float = 1.0  # its share of accelerator time relative to other jobs (plex)
     base: str = ""  # its base model: plex places jobs on one base together (their generates batch)
     disaggregated: bool = False  # its generates run on a sampler worker other than its home
+    pooled: bool = False  # its generates run on the rollout workers, each turn in its level's bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +79,25 @@ class JobClosed:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnSignals:
+    """What an agent's trajectory showed up to the turn it submits (seen at its tool boundaries)."""
+
+    turn: int = 0  # turns it already took
+    tool_errors: int = 0  # tool calls that failed
+    retries: int = 0  # tool calls it repeated
+    tokens: int = 0  # tokens so far, sampled and observed
+    token_budget: int = 0  # its budget (``max_tokens`` of the trajectory; 0: none)
+
+
+@dataclass(frozen=True, slots=True)
 class CallSubmitted:
     call_id: int  # increasing in submission order
     job_id: str
     kind: str  # "generate", "forward_backward", ...
     priority: int = 0  # generates: lower is admitted first (frontier groups)
     front: bool = False  # ahead of every unfinished call of the job (a ``restore``)
+    trajectory: str = ""  # a generate that is a turn of this trajectory (pooled jobs route by it)
+    signals: TurnSignals = TurnSignals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +131,7 @@ class Tick:
 
 Event = (
     WorkerJoined
+    | WorkerRole
     | WorkerLost
     | JobOpened
     | JobResumed

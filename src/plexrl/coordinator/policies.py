@@ -64,7 +64,8 @@ class Dedicated(Policy):
         self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
     ) -> _Worker | NoWorkersError:
         free = [w for w in fitting if not w.jobs and not w.samplers]  # a worker of its own
-        if not free or (disaggregated and len([w for w in s.workers() if not w.jobs and not w.samplers]) < 2):
+        idle = [w for w in s.workers() if not w.jobs and not w.samplers and w.role != "rollout"]
+        if not free or (disaggregated and len(idle) < 2):
             return NoWorkersError(
                 "policy 'dedicated' runs one job per worker (a disaggregated job takes two) and not enough "
                 "workers are free: add a worker, close a job, or use a multiplexing policy"

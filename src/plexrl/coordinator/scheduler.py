@@ -10,7 +10,10 @@ Invariants it keeps, whatever the policy:
   a barrier (``open``, ``close``, ``sync_weights``, ``load``: they change what the sampler
   serves) waits for every earlier call of the job and holds back every later one;
 - trainer-lane calls run on the job's home worker (affinity); the sampler lane runs there too,
-  or, for a disaggregated job, on its sampler worker;
+  or, for a disaggregated job, on its sampler worker, or, for a pooled job, on the rollout
+  workers: each turn in the bucket of its trajectory's level (``coordinator/buckets.py``), on
+  the worker its trajectory's last turn ran on if that one has a free slot (its prefix cache);
+  on the job's home while no rollout worker is registered. No job's home is a rollout worker;
 - a worker runs at most ``slots`` calls at once, of them at most ``trainer_slots`` other than
   generates (a worker's trainer runs one call at a time, so the order of those is the policy's);
 - every submitted call ends in exactly one ``Dispatch`` followed by the server's
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from plexrl.coordinator import residency as rs
 from plexrl.coordinator.accounting import Ledger
+from plexrl.coordinator.buckets import Mlfq, Trajectories, bucket_for
 from plexrl.coordinator.events import (
     Action,
     CallCancelled,
@@ -45,6 +49,7 @@ from plexrl.coordinator.events import (
     Tick,
     WorkerJoined,
     WorkerLost,
+    WorkerRole,
 )
 from plexrl.coordinator.policies import POLICIES, Policy
 from plexrl.coordinator.residency import Residency
@@ -73,6 +78,8 @@ class _Worker:
     training: set[int] = field(default_factory=set)  # the running ones of those
     jobs: set[str] = field(default_factory=set)  # jobs whose home it is
     samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
+    role: str = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only (events.ROLES)
+    bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -101,12 +108,18 @@ class _ScheduledJob:
     recoverable: bool = False  # rebuilt on another worker when its home is lost (colocated jobs only)
     rebuilding: bool = False  # re-homed, its restore not yet started: nothing else of it may start
     first_seq: int = 0  # the lowest order key given so far (front calls go below it)
+    pooled: bool = False  # its generates run on the rollout workers (while any is registered)
 
-    def lanes_on(self, worker_id: str) -> list[str]:
-        return [lane for lane in (TRAINER, SAMPLER) if (self.home if lane == TRAINER else self.sampler) == worker_id]
+    def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[str]:
+        """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
+        return [
+            lane
+            for lane in (TRAINER, SAMPLER)
+            if (self.home if lane == TRAINER else self.sampler) == worker_id and not (lane == SAMPLER and pooled_away)
+        ]
 
-    def idle_on(self, worker_id: str) -> bool:
-        return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id))
+    def idle_on(self, worker_id: str, pooled_away: bool = False) -> bool:
+        return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id, pooled_away))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +129,8 @@ class _Call:
     kind: str
     priority: int = 0
     seq: int = 0  # its place in its job's order: the call id, or below every other for a front call
+    trajectory: str = ""  # a pooled job's turn: its trajectory
+    level: int = 0  # and that trajectory's level when the turn was submitted
 
     @property
     def lane(self) -> str:
@@ -128,7 +143,7 @@ LOST = "its unsaved training state is gone: open the job again and load its last
 class Scheduler:
     """``handle(event, now)`` returns the actions the server must carry out, in order."""
 
-    def __init__(self, policy: str = "fifo", recovery_wait_s: float = 300.0) -> None:
+    def __init__(self, policy: str = "fifo", recovery_wait_s: float = 300.0, mlfq: Mlfq | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy: Policy = POLICIES[policy]()
@@ -140,6 +155,9 @@ class Scheduler:
         self._moving: dict[str, str] = {}  # job -> worker, for state in transit
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
         self._homeless: dict[str, tuple[float, str]] = {}  # job -> (since, why) while no worker can take it
+        self._pooled: set[str] = set()  # pooled jobs
+        self._started: dict[int, float] = {}  # running turn of a pooled job -> when it started
+        self.trajectories = Trajectories(mlfq or Mlfq())
         self.ledger = Ledger()
 
     # -- queries (for status and accounting) ----------------------------------------------------
@@ -185,15 +203,20 @@ class Scheduler:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         actions: list[Action] = []
-        touched: str | None = None  # the one worker that may now start a call (dispatch looks only there)
+        touched: list[str] = []  # the workers that may now start a call (dispatch looks only there)
         match event:  # the frequent events first
-            case CallSubmitted(call_id, job_id, kind, priority, front):
-                call = self._new_call(call_id, job_id, kind, priority, front)
+            case CallSubmitted(call_id, job_id, kind, priority, front, trajectory, signals):
+                level = self.trajectories.turn(job_id, trajectory, signals) if trajectory and kind == "generate" else 0
+                call = self._new_call(call_id, job_id, kind, priority, front, trajectory, level)
                 actions += self._submit(call, now)
-                touched = self._lane_worker(call)
+                touched = self._lane_workers(call)
             case CallFinished(call_id, error):
                 done = self._calls.get(call_id)
-                touched = self._lane_worker(done) if done is not None else None
+                ran = self._ran_on.get(call_id)
+                touched = [ran] if ran else self._lane_workers(done) if done is not None else []
+                started = self._started.pop(call_id, None)
+                if done is not None and done.trajectory and ran and started is not None:
+                    self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
                 self._finish(call_id, now)
                 job = self._jobs.get(done.job_id) if done is not None else None
                 if done is not None and job is not None and error and done.kind in MAKES_STATE:
@@ -203,19 +226,30 @@ class Scheduler:
                         reason = f"job {job.job_id} could not be restored on another worker ({error}); " + LOST
                         actions += self._lose_job(job, WorkerLostError(reason), now)
                 # A barrier's end (or any call's, before a barrier) may free the other lane too.
-                other = self._other_worker(done) if done is not None else None
-                if other is not None and other != touched and other in self._workers:
-                    actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots):
-                worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s)
+                for other in self._other_workers(done) if done is not None else []:
+                    if other not in touched and other in self._workers:
+                        actions += self._dispatch(self._workers[other], now)
+            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket):
+                worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
                 actions += self._rehome_waiting(now)
-                touched = worker_id
+                # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
+                touched = sorted(self._workers) if role == "rollout" else [worker_id]
+            case WorkerRole(worker_id, role):
+                moved = self._workers.get(worker_id)
+                if moved is not None and role != moved.role:
+                    moved.role = role  # its running calls finish where they are
+                    if role != "rollout":
+                        actions += self._rehome_waiting(now)
+                    touched = sorted(self._workers)  # queued turns re-route
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id, state_bytes, weight, base, disaggregated):
+            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled):
                 actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
+                if pooled and job_id in self._jobs:
+                    self._jobs[job_id].pooled = True
+                    self._pooled.add(job_id)
             case JobResumed(job_id, state_bytes, weight, base):
                 job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight, base=base)
                 job.recoverable = job.rebuilding = True
@@ -226,12 +260,14 @@ class Scheduler:
             case JobSized(job_id, state_bytes, recoverable):
                 if job_id in self._jobs:
                     self._jobs[job_id].recoverable = recoverable
-                touched = self._resize(job_id, state_bytes)
+                touched = [w for w in [self._resize(job_id, state_bytes)] if w]
             case JobClosed(job_id):
                 job = self._jobs.get(job_id)
                 if job is not None and job.unfinished:  # nothing is left to run them on
                     actions += self._lose_job(job, JobClosedError(f"job {job_id} was closed before the call ran"), now)
                 self._homeless.pop(job_id, None)
+                self._pooled.discard(job_id)
+                self.trajectories.forget(job_id)
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
@@ -242,11 +278,11 @@ class Scheduler:
                     worker.jobs.discard(job_id)
                     if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
                         worker.used_bytes -= job.state.state_bytes
-                    touched = job.home
+                    touched = [job.home]
                 if self._homeless:  # a worker it held may take a waiting job now (dedicated)
                     actions += self._rehome_waiting(now)
             case SwapDone(job_id, seconds, moved_bytes, ok):
-                touched = self._swap_done(job_id, seconds, moved_bytes, ok)
+                touched = [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
             case Tick():  # only workers with a job waiting for room can change anything
                 for job_id, (since, why) in sorted(self._homeless.items()):
                     if now - since >= self.recovery_wait_s:
@@ -262,16 +298,17 @@ class Scheduler:
                     actions += self._dispatch(self._workers[worker_id], now)
             case CallCancelled(call_id):
                 self._cancel(call_id)
-        if touched is not None and touched in self._workers:
-            actions += self._dispatch(self._workers[touched], now)
+        for worker_id in touched:
+            if worker_id in self._workers:
+                actions += self._dispatch(self._workers[worker_id], now)
         return actions
 
     def _place(
         self, job_id: str, state_bytes: int, weight: float, base: str, disaggregated: bool, now: float
     ) -> list[Action]:
-        if not self._workers and not disaggregated:
+        if not self._homes() and not disaggregated:
             # None registered yet (the coordinator just started, or restarted and its workers are
-            # registering again): it waits for one like a job whose worker was lost.
+            # registering again; or only rollout workers): it waits for one like a job whose worker was lost.
             job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0,
                                 base=base)  # fmt: skip
             self._jobs[job_id] = job
@@ -289,7 +326,7 @@ class Scheduler:
         state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
         sampler = worker
         if disaggregated:
-            chosen_sampler = self.policy.sampler([w for w in self._workers.values() if w is not worker])
+            chosen_sampler = self.policy.sampler([w for w in self._homes() if w is not worker])
             assert chosen_sampler is not None, "place() leaves a second worker for a disaggregated job"
             sampler = chosen_sampler
             sampler.samplers.add(job_id)
@@ -303,16 +340,20 @@ class Scheduler:
 
     def _choose(self, state_bytes: int, base: str, disaggregated: bool, now: float) -> _Worker | NoWorkersError:
         """The home worker for a job (new, or one whose home was lost), or why there is none."""
-        if not self._workers:
-            return NoWorkersError("no workers are registered: start one with `plexrl worker --coordinator ADDR`")
-        if disaggregated and len(self._workers) < 2:
+        homes = self._homes()
+        if not homes:
+            return NoWorkersError(
+                "no worker that takes jobs' homes is registered (rollout workers take none): start one with "
+                "`plexrl worker --coordinator ADDR`"
+            )
+        if disaggregated and len(homes) < 2:
             return NoWorkersError(
                 "a disaggregated job needs two workers (trainer and sampler): start another worker, "
                 "or open the job colocated"
             )
-        fitting = [w for w in self._workers.values() if state_bytes <= w.memory_bytes]
+        fitting = [w for w in homes if state_bytes <= w.memory_bytes]
         if not fitting:
-            most = max(w.memory_bytes for w in self._workers.values())
+            most = max(w.memory_bytes for w in homes)
             return NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
         return self.policy.place(self, fitting, state_bytes, base, disaggregated, now)
 
@@ -325,7 +366,36 @@ class Scheduler:
         job.state.state_bytes = state_bytes
         return job.home
 
-    def _new_call(self, call_id: int, job_id: str, kind: str, priority: int, front: bool) -> _Call:
+    def _homes(self) -> list[_Worker]:
+        """The workers a job's home may be on."""
+        return [w for w in self._workers.values() if w.role != "rollout"]
+
+    def _rollout(self) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.role == "rollout"]
+
+    def _pooled_away(self, job: _ScheduledJob) -> bool:
+        """The job's generates run on the rollout workers (it is pooled and one is registered)."""
+        return job.pooled and any(w.role == "rollout" for w in self._workers.values())
+
+    def _takes_turn(self, worker: _Worker, buckets: list[int], job: _ScheduledJob, call: _Call) -> bool:
+        """The rollout ``worker`` may start this turn of a pooled job: it is in the turn's bucket, and
+        the turn's trajectory did not last run on another worker of the bucket that has a free slot."""
+        if bucket_for(call.level, buckets) != worker.bucket:
+            return False
+        traj = self.trajectories.get(job.job_id, call.trajectory) if call.trajectory else None
+        if traj is None or traj.worker in ("", worker.worker_id):
+            return True
+        last = self._workers.get(traj.worker)
+        return not (
+            last is not None
+            and last.role == "rollout"
+            and last.bucket == worker.bucket
+            and len(last.running) < last.slots
+        )
+
+    def _new_call(
+        self, call_id: int, job_id: str, kind: str, priority: int, front: bool, trajectory: str = "", level: int = 0
+    ) -> _Call:
         job = self._jobs.get(job_id)
         if job is None:
             raise KeyError(f"call {call_id} for unplaced job {job_id}")
@@ -333,7 +403,7 @@ class Scheduler:
         if front:
             job.first_seq -= 1
             seq = job.first_seq
-        return _Call(call_id, job_id, kind, priority, seq)
+        return _Call(call_id, job_id, kind, priority, seq, trajectory, level)
 
     def _submit(self, call: _Call, now: float) -> list[Action]:
         job = self._jobs.get(call.job_id)
@@ -351,17 +421,31 @@ class Scheduler:
         job.closing |= call.kind == "close"
         return []
 
-    def _lane_worker(self, call: _Call) -> str | None:
+    def _lane_workers(self, call: _Call) -> list[str]:
+        """Where the call's lane runs: its home or sampler worker, or for a pooled job's turn the
+        rollout workers of its bucket (its trajectory's last one first)."""
         job = self._jobs.get(call.job_id)
         if job is None:
-            return None
-        return job.sampler if call.lane == SAMPLER else job.home
+            return []
+        if call.lane == SAMPLER and self._pooled_away(job):
+            buckets = sorted({w.bucket for w in self._rollout()})
+            bucket = bucket_for(call.level, buckets)
+            traj = self.trajectories.get(job.job_id, call.trajectory) if call.trajectory else None
+            last = traj.worker if traj is not None else ""
+            ids = sorted(w.worker_id for w in self._rollout() if w.bucket == bucket)
+            return sorted(ids, key=lambda w: w != last)
+        return [job.sampler if call.lane == SAMPLER else job.home]
 
-    def _other_worker(self, call: _Call) -> str | None:
+    def _other_workers(self, call: _Call) -> list[str]:
+        """Where the job's other lane runs: the call's end may let a call start there (a barrier)."""
         job = self._jobs.get(call.job_id)
         if job is None:
-            return None
-        return job.home if call.lane == SAMPLER else job.sampler
+            return []
+        if call.lane == SAMPLER:
+            return [job.home]
+        if self._pooled_away(job):
+            return sorted(w.worker_id for w in self._rollout())
+        return [job.sampler]
 
     def _finish(self, call_id: int, now: float) -> None:
         call = self._calls.pop(call_id, None)
@@ -399,6 +483,18 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
+        requeued: set[str] = set()  # pooled jobs whose turns ran there: they go back to their queues
+        for call_id in sorted(worker.running):
+            call = self._calls.get(call_id)
+            job = self._jobs.get(call.job_id) if call is not None else None
+            if call is None or job is None or not job.pooled or call.lane != SAMPLER or job.home == worker_id:
+                continue
+            job.running[SAMPLER].discard(call_id)
+            self._ran_on.pop(call_id, None)
+            self._started.pop(call_id, None)
+            self.ledger.call_finished(worker_id, job.job_id, now)
+            self._enqueue(job, call)
+            requeued.add(job.job_id)
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
@@ -408,7 +504,11 @@ class Scheduler:
             else:
                 actions += self._lose_job(job, WorkerLostError(f"{lost}; {LOST}"), now)
         homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id}
-        for home in sorted(homes):  # a re-queued restore starts there (a new one is submitted and starts then)
+        for job_id in requeued:  # their turns go to the rollout workers left (or their homes)
+            homes |= {w for c in self._jobs[job_id].queues[SAMPLER] for w in self._lane_workers(self._calls[c])}
+        for home in sorted(
+            homes & self._workers.keys()
+        ):  # a re-queued restore starts there (a new one is submitted and starts then)
             actions += self._dispatch(self._workers[home], now)
         return actions
 
@@ -418,10 +518,13 @@ class Scheduler:
         if it never finished opening (nothing of it existed: opening it there is all it takes)."""
         for lane in (SAMPLER, TRAINER):
             for call_id in sorted(job.running[lane]):
+                if self._ran_on.get(call_id, lost_worker) != lost_worker:
+                    continue  # a pooled turn on a rollout worker runs on
                 self._enqueue(job, self._calls[call_id])
                 self._ran_on.pop(call_id, None)
+                self._started.pop(call_id, None)
                 self.ledger.call_finished(lost_worker, job.job_id, now)
-            job.running[lane].clear()
+                job.running[lane].discard(call_id)
         self._waiting.discard(job.job_id)
         job.home = job.sampler = ""
         job.state = Residency(job.state.state_bytes, rs.HOST)  # made on the device by its restore (or open)
@@ -464,6 +567,7 @@ class Scheduler:
         freed: set[str] = set()
         for lane in (SAMPLER, TRAINER):
             for call_id in job.running[lane]:
+                self._started.pop(call_id, None)
                 worker_id = self._ran_on.pop(call_id, None)
                 other = self._workers.get(worker_id) if worker_id is not None else None
                 if other is not None:
@@ -488,12 +592,20 @@ class Scheduler:
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
         entries: list[tuple[_ScheduledJob, list[_Call]]] = []
+        away = any(w.role == "rollout" for w in self._workers.values())  # pooled jobs' turns run there
         for job_id in worker.jobs | worker.samplers:
             job = self._jobs[job_id]
-            for lane in job.lanes_on(worker.worker_id):
+            for lane in job.lanes_on(worker.worker_id, job.pooled and away):
                 startable = self._startable(job, lane)
                 if startable:
                     entries.append((job, startable))
+        if worker.role == "rollout" and self._pooled:
+            buckets = sorted({w.bucket for w in self._rollout()})
+            for job_id in self._pooled:
+                job = self._jobs[job_id]
+                turns = [c for c in self._startable(job, SAMPLER) if self._takes_turn(worker, buckets, job, c)]
+                if turns:
+                    entries.append((job, turns))
         if len(entries) > 1:
             entries.sort(key=lambda e: self.policy.rank(self, e[0], e[1][0], now))
         for job, startable in entries:
@@ -502,7 +614,7 @@ class Scheduler:
             first = startable[0]
             if job.rebuilding and first.kind != "restore":
                 continue  # its state exists nowhere until the restore (submitted next) makes it
-            needs_state = job.home == worker.worker_id
+            needs_state = job.home == worker.worker_id and not (first.lane == SAMPLER and job.pooled and away)
             room = worker.used_bytes + job.state.state_bytes <= worker.memory_bytes
             if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
                 # Its state does not exist yet: the open makes it on the device, so it needs room
@@ -525,8 +637,14 @@ class Scheduler:
                     self._ran_on[call.call_id] = worker.worker_id
                     if call.lane == TRAINER:
                         worker.training.add(call.call_id)
+                    pooled_turn = job.pooled and call.lane == SAMPLER
+                    if pooled_turn:
+                        self._started[call.call_id] = now
                     self.ledger.call_started(worker.worker_id, job.job_id, now)
-                    actions.append(Dispatch(call.call_id, worker.worker_id, call.priority))
+                    # A pooled turn's engine priority is its level (lower runs first): the MLFQ inside a bucket.
+                    actions.append(
+                        Dispatch(call.call_id, worker.worker_id, call.level if pooled_turn else call.priority)
+                    )
                 continue
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
@@ -561,7 +679,7 @@ class Scheduler:
                 return [call] if min(self._calls[c].seq for c in job.unfinished) == call.seq else []
             return [call] if first_barrier is None or call.seq < first_barrier else []
         calls = [self._calls[c] for c in queue if first_barrier is None or self._calls[c].seq < first_barrier]
-        return sorted(calls, key=lambda c: (c.priority, c.seq))
+        return sorted(calls, key=lambda c: (c.level, c.priority, c.seq))
 
     def _victim(self, worker: _Worker, waiting: _ScheduledJob | None, now: float) -> _ScheduledJob | None:
         """The resident, idle job to move out so ``waiting`` can come in (or, with ``waiting`` None,
@@ -571,7 +689,10 @@ class Scheduler:
         idle = [
             job
             for job in (self._jobs[j] for j in sorted(worker.jobs))
-            if job.state.tier == rs.DEVICE and job.idle_on(worker.worker_id) and not job.closing
+            if job.state.tier == rs.DEVICE
+            and job.idle_on(worker.worker_id, self._pooled_away(job))
+            and not job.running[SAMPLER] & worker.running  # a pooled turn on its home (a worker moved to rollout)
+            and not job.closing
         ]
         return self.policy.victim(self, worker, idle, waiting, now) if idle else None
 
