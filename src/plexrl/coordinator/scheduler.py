@@ -483,7 +483,6 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
-        requeued: set[str] = set()  # pooled jobs whose turns ran there: they go back to their queues
         for call_id in sorted(worker.running):
             call = self._calls.get(call_id)
             job = self._jobs.get(call.job_id) if call is not None else None
@@ -493,8 +492,7 @@ class Scheduler:
             self._ran_on.pop(call_id, None)
             self._started.pop(call_id, None)
             self.ledger.call_finished(worker_id, job.job_id, now)
-            self._enqueue(job, call)
-            requeued.add(job.job_id)
+            self._enqueue(job, call)  # a pooled turn that ran there goes back to its queue
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
@@ -504,8 +502,9 @@ class Scheduler:
             else:
                 actions += self._lose_job(job, WorkerLostError(f"{lost}; {LOST}"), now)
         homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id}
-        for job_id in requeued:  # their turns go to the rollout workers left (or their homes)
-            homes |= {w for c in self._jobs[job_id].queues[SAMPLER] for w in self._lane_workers(self._calls[c])}
+        for job_id in sorted(self._pooled):  # queued turns go to the rollout workers left (or their homes)
+            queued = self._jobs[job_id].queues[SAMPLER]
+            homes |= {w for c in queued for w in self._lane_workers(self._calls[c])}
         for home in sorted(
             homes & self._workers.keys()
         ):  # a re-queued restore starts there (a new one is submitted and starts then)
