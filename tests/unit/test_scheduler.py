@@ -3,6 +3,8 @@ then invariants over random event sequences (hypothesis)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from plexrl.coordinator.events import (
     JobOpened,
     JobResumed,
     JobSized,
+    MoveWorker,
     Place,
     Recover,
     Swap,
@@ -30,6 +33,7 @@ from plexrl.coordinator.events import (
     WorkerRole,
 )
 from plexrl.coordinator.policies import POLICIES
+from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
 
@@ -518,6 +522,7 @@ libra_op = st.one_of(  # pooled jobs' turns on rollout workers of a few buckets,
     st.tuples(st.just("rollout"), st.integers(0, 5)),
     st.tuples(st.just("rollout"), st.integers(0, 5)),
     st.tuples(st.just("role"), st.integers(0, 29)),
+    st.tuples(st.just("switched"), st.integers(0, 9)),
     st.tuples(st.just("open"), st.integers(12, 15)),
     st.tuples(st.just("open"), st.integers(0, 15)),
     *[_turn] * 4,
@@ -534,7 +539,7 @@ libra_op = st.one_of(  # pooled jobs' turns on rollout workers of a few buckets,
 @settings(max_examples=1000, deadline=None)
 @given(ops=st.lists(libra_op, min_size=30, max_size=80))
 def test_invariants_hold_with_buckets_and_roles(policy: str, ops: list[tuple[str, int]]) -> None:
-    check_invariants(policy, ops)
+    check_invariants(policy, ops, rebalance=True)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -554,9 +559,11 @@ def test_invariants_hold_on_random_event_sequences(policy: str, ops: list[tuple[
     check_invariants(policy, ops)
 
 
-def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
-    """Run ``ops`` through a scheduler and hold every action to the invariants (AssertionError if not)."""
-    s = Scheduler(policy)
+def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = False) -> None:
+    """Run ``ops`` through a scheduler (``rebalance``: with a rebalancer moving workers between
+    roles) and hold every action to the invariants (AssertionError if not)."""
+    s = Scheduler(policy, rebalancer=Rebalancer(prior_move_s=1.0) if rebalance else None)
+    switching: dict[str, str] = {}  # worker -> the role a MoveWorker takes it to
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
     roles: dict[str, tuple[str, int]] = {}  # alive worker -> (role, bucket)
     pooled: set[str] = set()
@@ -603,6 +610,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
             elif isinstance(a, Place):
                 assert a.worker_id in workers
                 assert roles[a.worker_id][0] != "rollout", "no job's home on a rollout worker"
+                assert switching.get(a.worker_id) != "rollout", "no new home on a worker moving to rollout"
                 if policy == "dedicated":
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker (closed ones gone)"
                 homes[a.job_id] = a.worker_id
@@ -635,7 +643,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
                 kind = kinds[a.call_id]
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once (per home)"
-                rollout = sorted({b for r, b in roles.values() if r == "rollout"})
+                rollout = sorted({b for w, (r, b) in roles.items() if r == "rollout" and w not in switching})
                 if job in pooled and kind == "generate" and rollout:  # a turn, on the rollout workers
                     level = 0  # a generate outside any trajectory
                     if a.call_id in turn_of:
@@ -644,9 +652,19 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
                         assert traj is not None and last_turn[key] == a.call_id
                         assert traj.level >= levels.get(key, 0), "a trajectory's level never goes back up the queue"
                         level = levels[key] = traj.level
-                    assert roles[a.worker_id] == ("rollout", bucket_for(level, rollout)), (
-                        "a turn runs on a rollout worker of the bucket serving its trajectory's level"
+                    assert a.worker_id not in switching, "a worker moving between roles takes no turn"
+                    preferred = bucket_for(level, rollout)
+                    role, bucket = roles[a.worker_id]
+                    assert role == "rollout" and bucket <= preferred, (
+                        "a turn runs on a rollout worker of the bucket serving its trajectory's level (or below)"
                     )
+                    if bucket < preferred:
+                        full = [
+                            sum(1 for _, rw in running.values() if rw == w) >= workers[w][0]
+                            for w, (r, b) in roles.items()
+                            if r == "rollout" and b == preferred and w not in switching
+                        ]
+                        assert all(full), "a turn goes to a lower bucket only while every worker of its own is full"
                     on_home = False
                 else:
                     on_home = kind != "generate" or samplers[job] == homes[job]
@@ -678,14 +696,21 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
                         "plex moved state out that neither pays nor unblocks a starving job"
                     )
                 assert homes[a.job_id] == a.worker_id
-                assert all(j != a.job_id or w != a.worker_id for j, w in running.values()), (
-                    "never move the state of a job with a call running on that worker"
-                )
+                # A pooled turn uses the sampler's copy of the adapter, never the trainer's state: moving
+                # that in beside one is safe (moving it out is not done, to keep the two apart).
+                assert all(
+                    j != a.job_id or w != a.worker_id or (a.to == "device" and j in pooled and kinds[c] == "generate")
+                    for c, (j, w) in running.items()
+                ), "never move the state of a job with a call running on that worker"
                 moving[a.worker_id] = (a.job_id, a.to)
                 if a.to == "device":
                     device[a.worker_id] += sizes[a.job_id]
                 else:
                     resident[a.job_id] = False
+            elif isinstance(a, MoveWorker):
+                assert a.worker_id in workers and a.worker_id not in switching, "one move at a time, of a live worker"
+                assert a.role != roles[a.worker_id][0]
+                switching[a.worker_id] = a.role
             elif isinstance(a, Fail) and a.call_id is not None:
                 assert outcome.get(a.call_id) not in ("failed", "cancelled")
                 outcome[a.call_id] = "failed"
@@ -718,7 +743,12 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
         elif kind == "role" and workers:
             w = sorted(workers)[arg % len(workers)]
             roles[w] = (ROLES[arg // 10], roles[w][1])
+            switching.pop(w, None)  # an operator's order overrides a move
             check(s.handle(WorkerRole(w, ROLES[arg // 10]), t))
+        elif kind == "switched" and switching:  # a move's worker drained and switched
+            w = sorted(switching)[arg % len(switching)]
+            roles[w] = (switching.pop(w), roles[w][1])
+            check(s.handle(WorkerRole(w, roles[w][0], seconds=1.0 + arg), t))
         elif kind == "turn" and pooled & homes.keys():
             j = sorted(pooled & homes.keys())[arg % len(pooled & homes.keys())]
             key = (j, f"t{arg % 3}")
@@ -783,6 +813,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]]) -> None:
             w = sorted(workers)[arg % len(workers)]
             del workers[w], roles[w]
             moving.pop(w, None)
+            switching.pop(w, None)
             for c in [c for c, (j, rw) in running.items() if rw == w and j in pooled and homes[j] != w]:
                 del running[c], outcome[c]  # a pooled turn on a rollout worker: queued again, without an action
             check(s.handle(WorkerLost(w, "test"), t))
@@ -890,27 +921,40 @@ def test_the_mlfq_moves_a_trajectory_down_by_service_and_by_what_its_tools_said(
     assert bucket_for(0, [1, 3]) == 1  # below every bucket: the lowest
 
 
-def test_pooled_turns_go_to_their_levels_bucket_and_stay_on_their_last_worker() -> None:
-    s = _pool(0, 0, 2)
+def test_pooled_turns_go_to_their_levels_bucket_least_loaded_first_and_back_to_their_last_worker() -> None:
+    s = _pool(0, 0, 2, slots=8)
     assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 1.0) == [Dispatch(1, "r0")]
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="u"), 1.0) == [Dispatch(2, "r0")]
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="u"), 1.0) == [Dispatch(2, "r1")]  # least loaded
     s.handle(CallFinished(1), 2.0)
-    s.handle(CallSubmitted(3, "a", "generate", trajectory="v"), 2.0)  # r0 full again (2 slots)
-    # t's second turn: r0 (its last worker) has no free slot, so another worker of bucket 0 takes it.
-    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 3.0) == [
-        Dispatch(4, "r1")
+    # t's next turn goes back to r0, its prefix cache (r0 runs no more than 4 turns above the least loaded).
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 3.0) == [
+        Dispatch(3, "r0")
     ]
-    s.handle(CallFinished(4), 4.0)
-    # Its third turn (two taken: level 1 of this queue) still goes to bucket 0, on r1, now its last.
-    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="t", signals=TurnSignals(turn=2)), 5.0) == [
-        Dispatch(5, "r1", priority=1)
+    s.handle(CallFinished(3), 4.0)
+    # Two turns taken (level 1 of this queue): still bucket 0; the vLLM priority is the level.
+    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t", signals=TurnSignals(turn=2)), 5.0) == [
+        Dispatch(4, "r0", priority=1)
     ]
-    s.handle(CallFinished(5), 6.0)
-    # A tool error: level 2, the straggler bucket; the vLLM priority is the level.
+    s.handle(CallFinished(4), 6.0)
+    # A tool error: level 2, the stragglers' bucket.
     signals = TurnSignals(turn=3, tool_errors=1)
-    assert s.handle(CallSubmitted(6, "a", "generate", trajectory="t", signals=signals), 7.0) == [
-        Dispatch(6, "r2", priority=2)
+    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="t", signals=signals), 7.0) == [
+        Dispatch(5, "r2", priority=2)
     ]
+
+
+def test_a_full_bucket_lends_its_turns_to_the_buckets_below_never_above() -> None:
+    s = _pool(0, 2, slots=1)  # r0: bucket 0, r1: bucket 2
+    late = TurnSignals(tool_errors=2)
+    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="x", signals=late), 0.0) == [
+        Dispatch(1, "r1", priority=2)
+    ]
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="y", signals=late), 0.0) == [
+        Dispatch(2, "r0", priority=2)  # bucket 2 is full: bucket 0 takes it
+    ]
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="z"), 0.0) == []  # level 0 waits for bucket 0
+    assert s.handle(CallFinished(1), 1.0) == []  # bucket 2's free slot is not for level 0
+    assert s.handle(CallFinished(2), 2.0) == [Dispatch(3, "r0")]
 
 
 def test_a_trajectory_moves_down_once_its_turns_received_enough_service() -> None:
@@ -962,6 +1006,15 @@ def _plant_no_buckets(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Scheduler, "_takes_turn", lambda self, worker, buckets, job, call: True)
 
 
+def _plant_spill_up(mp: pytest.MonkeyPatch) -> None:
+    takes = Scheduler._takes_turn
+
+    def spill_anywhere(self: Scheduler, worker: Any, buckets: dict[int, bool], job: Any, call: Any) -> bool:
+        return takes(self, worker, buckets, job, call) or not buckets[bucket_for(call.level, list(buckets))]
+
+    mp.setattr(Scheduler, "_takes_turn", spill_anywhere)
+
+
 def _plant_levels_go_back(mp: pytest.MonkeyPatch) -> None:
     def turn(self: Trajectories, job_id: str, trajectory: str, signals: TurnSignals) -> int:
         traj = self._by_job.setdefault(job_id, {}).setdefault(trajectory, Trajectory())
@@ -973,9 +1026,13 @@ def _plant_levels_go_back(mp: pytest.MonkeyPatch) -> None:
 
 PLANTED = {
     "turns ignore buckets": _plant_no_buckets,
+    "a full bucket's turns go to a higher one": _plant_spill_up,
     "levels go back up": _plant_levels_go_back,
     "turns stay on the home": lambda mp: mp.setattr(Scheduler, "_pooled_away", lambda self, job: False),
     "homes on rollout workers": lambda mp: mp.setattr(Scheduler, "_homes", lambda self: list(self._workers.values())),
+    "a worker moving to training takes turns": lambda mp: mp.setattr(
+        Scheduler, "_rollout", lambda self: [w for w in self._workers.values() if w.role == "rollout"]
+    ),
     "a barrier's end wakes no rollout worker": lambda mp: mp.setattr(
         Scheduler,
         "_other_workers",
@@ -993,7 +1050,44 @@ def test_planted_bugs_in_buckets_and_roles_are_caught_by_the_invariants(
     @settings(max_examples=3000, deadline=None, database=None, phases=[Phase.generate], report_multiple_bugs=False)
     @given(ops=st.lists(libra_op, min_size=30, max_size=80))
     def search(ops: list[tuple[str, int]]) -> None:
-        check_invariants("plex", ops)
+        check_invariants("plex", ops, rebalance=True)
 
     with pytest.raises(AssertionError):
         search()
+
+
+def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_for_training() -> None:
+    s = Scheduler("fifo", rebalancer=Rebalancer(prior_move_s=2.0))
+    s.handle(WorkerJoined("w0", slots=2, role="train"), 0.0)
+    s.handle(WorkerJoined("r0", slots=1, role="rollout"), 0.0)
+    s.handle(JobOpened("a", pooled=True), 0.0)
+    # One step: a sync (its rollout starts when it ends, at 1 s), then training at 21 s: a 20 s phase.
+    assert s.handle(CallSubmitted(1, "a", "sync_weights"), 0.0) == [Dispatch(1, "w0")]
+    s.handle(CallFinished(1), 1.0)
+    assert s.handle(CallSubmitted(2, "a", "forward_backward"), 21.0) == [Dispatch(2, "w0")]
+    s.handle(CallFinished(2), 22.0)
+    s.handle(CallSubmitted(3, "a", "sync_weights"), 22.0)
+    s.handle(CallFinished(3), 23.0)  # the next rollout starts: ~20 s without training expected
+    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 23.0) == [Dispatch(4, "r0")]
+    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 23.0) == []  # r0 is full
+    # 19 s of rollout left beats a move there and back (2 x 2 s): w0 goes to rollout, takes nothing
+    # meanwhile, and takes the waiting turn once it has switched.
+    assert s.handle(Tick(), 24.0) == [MoveWorker("w0", "rollout")]
+    assert s.handle(Tick(), 25.0) == []
+    assert s.handle(WorkerRole("w0", "rollout", seconds=3.0), 26.0) == [Dispatch(5, "w0")]
+    # Training is submitted (a 7 s phase: the mean is now 13.5 s): w0 goes back at once, and the
+    # training runs beside the turn still ending there.
+    assert s.handle(CallSubmitted(6, "a", "forward_backward"), 30.0) == [MoveWorker("w0", "train"), Dispatch(6, "w0")]
+    s.handle(WorkerRole("w0", "train", seconds=3.0), 31.0)
+    s.handle(CallFinished(4), 31.0)
+    s.handle(CallFinished(5), 31.0)
+    s.handle(CallFinished(6), 33.0)
+    s.handle(CallSubmitted(7, "a", "sync_weights"), 33.0)
+    s.handle(CallFinished(7), 34.0)
+    s.handle(CallSubmitted(8, "a", "generate", trajectory="v"), 34.0)
+    s.handle(CallSubmitted(9, "a", "generate", trajectory="w"), 34.0)
+    # Moves now measured at 3 s: 5.5 s of expected rollout left (13.5 - 8) does not pay for one
+    # there and back (6 s); 2 s in, it did (11.5 s).
+    assert s.handle(Tick(), 42.0) == []
+    assert s.rebalancer is not None and s.rebalancer.expected_rollout_left_s("a", 36.0) == 11.5
+    assert s.handle(Tick(), 36.0) == [MoveWorker("w0", "rollout")]

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from plexrl.sim import JobModel, Lognormal, Simulation
+from plexrl.coordinator.buckets import Mlfq
+from plexrl.coordinator.events import CallSubmitted
+from plexrl.coordinator.rebalance import Rebalancer
+from plexrl.coordinator.scheduler import Scheduler
+from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
+from plexrl.sim.driver import WorkerSpec
 
 AGENTIC = JobModel("agent", steps=5, turns=3, tool_latency_s=Lognormal(4.0, 1.0))
 
@@ -97,3 +104,58 @@ def test_jobs_open_when_they_arrive() -> None:
     late = JobModel("late", steps=1, arrival_s=500.0)
     result = Simulation("fifo", 1, [AGENTIC, late], seed=0).run()
     assert result.jobs[1].started_s == 500.0 and result.jobs[1].finished_s is not None
+
+
+# -- pooled agents (Libra): trajectories turn by turn, buckets, roles ---------------------------
+
+POOLED = JobModel(
+    "pooled", steps=2, rollouts=6, turns=2, output_tokens=Lognormal(40.0, 0.8), tool_latency_s=Lognormal(1.0, 0.5),
+    decode_step_s=0.01, shared_step_fraction=0.5, kv_step_s_per_token=1e-5, tool_error_p=0.3, difficulty_sigma=0.8,
+    train_s_per_token=1e-4, pooled=True,
+)  # fmt: skip
+
+
+def _turns(scheduler: Scheduler, workers: list[WorkerSpec], move_s: float = 0.0) -> tuple[SimResult, list[tuple]]:
+    """Run two pooled jobs; return the result and every turn submitted (job, trajectory, steps)."""
+    submitted: list[tuple] = []
+    handle = scheduler.handle
+
+    def spy(event: Any, now: float) -> list:
+        if isinstance(event, CallSubmitted) and event.trajectory:
+            submitted.append((event.job_id, event.trajectory, event.signals))
+        return handle(event, now)
+
+    scheduler.handle = spy  # type: ignore[method-assign]
+    sim = Simulation("fifo", len(workers), [POOLED, POOLED], seed=3, worker_specs=workers, scheduler=scheduler,
+                     move_s=move_s)  # fmt: skip
+    return sim.run(), submitted
+
+
+def test_pooled_jobs_run_every_trajectory_and_train_on_all_of_them_in_both_routings() -> None:
+    static, static_turns = _turns(
+        Scheduler("fifo", mlfq=Mlfq(levels=1)), [WorkerSpec("rollout", 0, 4)] * 2 + [WorkerSpec("train")]
+    )
+    libra, libra_turns = _turns(
+        Scheduler("fifo", rebalancer=Rebalancer(prior_move_s=0.1)),
+        [WorkerSpec("rollout", 0, 4), WorkerSpec("rollout", 2, 2, tp=2, comm_s=1e-4), WorkerSpec("train")],
+        move_s=0.1,
+    )
+    for result in (static, libra):
+        assert all(j.finished_s is not None and not j.error for j in result.jobs)
+        assert [j.trained_samples for j in result.jobs] == [POOLED.steps * POOLED.rollouts] * 2
+        assert [len(j.steps_done_s) for j in result.jobs] == [POOLED.steps] * 2
+    # The same work whatever the routing: the same turns, drawn before any of them ran.
+    assert sorted(static_turns, key=repr) == sorted(libra_turns, key=repr)
+    assert len(static_turns) >= 2 * POOLED.steps * POOLED.rollouts * POOLED.turns
+    assert any(s.tool_errors for _, _, s in static_turns)  # some tools failed: retried turns
+
+
+def test_a_tensor_parallel_worker_runs_a_decode_round_in_a_share_of_the_time_plus_its_all_reduces() -> None:
+    one = JobModel("one", steps=1, rollouts=1, turns=1, output_tokens=Lognormal(99.5, 0.0), decode_step_s=0.01,
+                   tool_latency_s=Lognormal(1e-3, 0.0), train_s_per_token=0.0, optim_step_s=0.0, sync_s=0.0,
+                   pooled=True, prompt_tokens=0, observation_tokens=0)  # fmt: skip
+    specs = [WorkerSpec("rollout", 0, 1, tp=4, comm_s=0.001), WorkerSpec("train")]
+    result = Simulation("fifo", 2, [one], seed=0, worker_specs=specs, record_timeline=True).run()
+    (turn,) = [(start, end) for w, _, start, end in result.timeline if w == "w0"]
+    assert turn[1] - turn[0] == pytest.approx(100 * (0.01 / 4 + 0.001))
+    assert result.held_s["w0"] == pytest.approx(4 * (turn[1] - turn[0]))  # four devices held

@@ -29,11 +29,13 @@ class WorkerJoined:
 
 @dataclass(frozen=True, slots=True)
 class WorkerRole:
-    """Move a worker between rollout and training (Libra's elastic roles): it stops taking calls
-    of its old role at once, and its running ones finish where they are."""
+    """The worker serves ``role`` from now on (Libra's elastic roles): an operator's order, or the
+    end of a ``MoveWorker`` (``seconds``: what the switch took, measured). Calls it runs finish
+    where they are."""
 
     worker_id: str
     role: str
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,4 +200,14 @@ class Swap:
     state_bytes: int
 
 
-Action = Place | Recover | Dispatch | Fail | Swap
+@dataclass(frozen=True, slots=True)
+class MoveWorker:
+    """The rebalancer moves ``worker_id`` to ``role``: it takes no new call of its old role from now
+    on; once its running turns have ended, the server switches it (sleeps or wakes its sampler)
+    and answers with ``WorkerRole``. Its homes' trainer calls run on throughout."""
+
+    worker_id: str
+    role: str
+
+
+Action = Place | Recover | Dispatch | Fail | Swap | MoveWorker

@@ -42,6 +42,7 @@ from plexrl.coordinator.events import (
     JobOpened,
     JobResumed,
     JobSized,
+    MoveWorker,
     Place,
     Recover,
     Swap,
@@ -52,6 +53,7 @@ from plexrl.coordinator.events import (
     WorkerRole,
 )
 from plexrl.coordinator.policies import POLICIES, Policy
+from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import JobClosedError, NoWorkersError, PlexError, WorkerLostError
 
@@ -80,6 +82,7 @@ class _Worker:
     samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
     role: str = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only (events.ROLES)
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
+    moving_to: str = ""  # the role a MoveWorker is taking it to (it takes no turns or new homes meanwhile)
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -137,13 +140,21 @@ class _Call:
         return lane_of(self.kind)
 
 
+STICKY_SLACK = 4  # a trajectory's turn goes back to its last worker unless that runs this many more turns than another
+
 LOST = "its unsaved training state is gone: open the job again and load its last checkpoint"
 
 
 class Scheduler:
     """``handle(event, now)`` returns the actions the server must carry out, in order."""
 
-    def __init__(self, policy: str = "fifo", recovery_wait_s: float = 300.0, mlfq: Mlfq | None = None) -> None:
+    def __init__(
+        self,
+        policy: str = "fifo",
+        recovery_wait_s: float = 300.0,
+        mlfq: Mlfq | None = None,
+        rebalancer: Rebalancer | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy: Policy = POLICIES[policy]()
@@ -158,6 +169,7 @@ class Scheduler:
         self._pooled: set[str] = set()  # pooled jobs
         self._started: dict[int, float] = {}  # running turn of a pooled job -> when it started
         self.trajectories = Trajectories(mlfq or Mlfq())
+        self.rebalancer = rebalancer  # moves home workers between training and rollout (None: roles stay)
         self.ledger = Ledger()
 
     # -- queries (for status and accounting) ----------------------------------------------------
@@ -171,8 +183,23 @@ class Scheduler:
         return bool(job and any(job.running.values()))
 
     def has_waiting(self) -> bool:
-        """Some job waits for its state to be moved in, or for a worker (a ``Tick`` may now matter)."""
-        return bool(self._waiting or self._homeless)
+        """Some job waits for its state to be moved in, or for a worker, or the rebalancer has pooled
+        jobs to watch (a ``Tick`` may now matter)."""
+        return bool(self._waiting or self._homeless or (self.rebalancer is not None and self._pooled))
+
+    def queued_turns(self) -> int:
+        """Pooled jobs' turns that could start now but wait for a rollout worker's slot."""
+        return sum(len(self._startable(self._jobs[j], SAMPLER)) for j in self._pooled)
+
+    def rollout_load(self) -> float:
+        """Turns running per rollout worker, on average (0 with none)."""
+        rollout = self._rollout()
+        return sum(len(w.running) for w in rollout) / len(rollout) if rollout else 0.0
+
+    def trainer_busy(self, job_id: str) -> bool:
+        """The job has a trainer-lane call queued or running."""
+        job = self._jobs.get(job_id)
+        return bool(job and (job.queues[TRAINER] or job.running[TRAINER]))
 
     def workers(self) -> list[_Worker]:
         return list(self._workers.values())
@@ -219,6 +246,9 @@ class Scheduler:
                     self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
                 self._finish(call_id, now)
                 job = self._jobs.get(done.job_id) if done is not None else None
+                rollout_starts = done is not None and done.kind in ("open", "restore", "sync_weights") and not error
+                if job is not None and job.pooled and self.rebalancer is not None and rollout_starts:
+                    self.rebalancer.rollout_started(job.job_id, now)
                 if done is not None and job is not None and error and done.kind in MAKES_STATE:
                     if done.kind == "open":  # nothing of the job exists: its other calls fail
                         actions += self._lose_job(job, JobClosedError(f"job {job.job_id} did not open: {error}"), now)
@@ -236,8 +266,13 @@ class Scheduler:
                 actions += self._rehome_waiting(now)
                 # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
                 touched = sorted(self._workers) if role == "rollout" else [worker_id]
-            case WorkerRole(worker_id, role):
+            case WorkerRole(worker_id, role, seconds):
                 moved = self._workers.get(worker_id)
+                if moved is not None and seconds > 0 and self.rebalancer is not None:
+                    self.rebalancer.moved(seconds)
+                if moved is not None and moved.moving_to:
+                    moved.moving_to = ""  # the move is over (or an operator's order overrides it)
+                    moved.role = ""  # so the change below applies
                 if moved is not None and role != moved.role:
                     moved.role = role  # its running calls finish where they are
                     if role != "rollout":
@@ -268,6 +303,8 @@ class Scheduler:
                 self._homeless.pop(job_id, None)
                 self._pooled.discard(job_id)
                 self.trajectories.forget(job_id)
+                if self.rebalancer is not None:
+                    self.rebalancer.forget(job_id)
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
@@ -296,6 +333,9 @@ class Scheduler:
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)
+                if self.rebalancer is not None and self._pooled:
+                    for worker_id, role in self.rebalancer.plan(self, now):
+                        actions += self._move_worker(self._workers[worker_id], role, now)
             case CallCancelled(call_id):
                 self._cancel(call_id)
         for worker_id in touched:
@@ -368,29 +408,49 @@ class Scheduler:
 
     def _homes(self) -> list[_Worker]:
         """The workers a job's home may be on."""
-        return [w for w in self._workers.values() if w.role != "rollout"]
+        return [w for w in self._workers.values() if w.role != "rollout" and w.moving_to != "rollout"]
 
     def _rollout(self) -> list[_Worker]:
-        return [w for w in self._workers.values() if w.role == "rollout"]
+        """The workers taking pooled turns (not one a MoveWorker is taking elsewhere)."""
+        return [w for w in self._workers.values() if w.role == "rollout" and not w.moving_to]
 
     def _pooled_away(self, job: _ScheduledJob) -> bool:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
-        return job.pooled and any(w.role == "rollout" for w in self._workers.values())
+        return job.pooled and bool(self._rollout())
 
-    def _takes_turn(self, worker: _Worker, buckets: list[int], job: _ScheduledJob, call: _Call) -> bool:
-        """The rollout ``worker`` may start this turn of a pooled job: it is in the turn's bucket, and
-        the turn's trajectory did not last run on another worker of the bucket that has a free slot."""
-        if bucket_for(call.level, buckets) != worker.bucket:
+    def _move_worker(self, worker: _Worker, role: str, now: float) -> list[Action]:
+        """Start moving ``worker`` to ``role``: from now on it takes no turns (and, bound for
+        rollout, no new homes); turns that waited for it go to the other rollout workers."""
+        worker.moving_to = role
+        actions: list[Action] = [MoveWorker(worker.worker_id, role)]
+        for other in sorted(w.worker_id for w in self._rollout()):
+            actions += self._dispatch(self._workers[other], now)
+        return actions
+
+    def _takes_turn(self, worker: _Worker, buckets: dict[int, bool], job: _ScheduledJob, call: _Call) -> bool:
+        """The rollout ``worker`` may start this turn of a pooled job: it is in the bucket serving the
+        turn's level, or in a lower one while every worker of that bucket is full (``buckets``: each
+        bucket, whether one of its workers has a free slot); and the turn's trajectory did not last
+        run on another worker of its bucket that has a free slot."""
+        preferred = bucket_for(call.level, list(buckets))
+        if worker.bucket > preferred or (worker.bucket < preferred and buckets[preferred]):
             return False
         traj = self.trajectories.get(job.job_id, call.trajectory) if call.trajectory else None
         if traj is None or traj.worker in ("", worker.worker_id):
             return True
-        last = self._workers.get(traj.worker)
-        return not (
+        return not self._sticks(self._workers.get(traj.worker), worker.bucket, len(worker.running))
+
+    @staticmethod
+    def _sticks(last: _Worker | None, bucket: int, least: int) -> bool:
+        """A trajectory's next turn goes back to ``last`` (its prefix cache is there): a rollout worker
+        of ``bucket`` with a free slot, running at most ``STICKY_SLACK`` turns more than ``least``."""
+        return (
             last is not None
             and last.role == "rollout"
-            and last.bucket == worker.bucket
+            and not last.moving_to
+            and last.bucket == bucket
             and len(last.running) < last.slots
+            and len(last.running) <= least + STICKY_SLACK
         )
 
     def _new_call(
@@ -419,11 +479,17 @@ class Scheduler:
         if call.kind in BARRIERS:
             job.barriers.add(call.call_id)
         job.closing |= call.kind == "close"
+        if self.rebalancer is not None and job.pooled and call.lane == TRAINER:
+            if call.kind == "forward_backward":
+                self.rebalancer.training_started(job.job_id, now)
+            home = self._workers.get(job.home)
+            if home is not None and home.role == "rollout" and not home.moving_to:  # training is on the critical path
+                return self._move_worker(home, "train", now)
         return []
 
     def _lane_workers(self, call: _Call) -> list[str]:
         """Where the call's lane runs: its home or sampler worker, or for a pooled job's turn the
-        rollout workers of its bucket (its trajectory's last one first)."""
+        rollout workers of its bucket (its trajectory's last one first), then of the buckets below."""
         job = self._jobs.get(call.job_id)
         if job is None:
             return []
@@ -432,8 +498,18 @@ class Scheduler:
             bucket = bucket_for(call.level, buckets)
             traj = self.trajectories.get(job.job_id, call.trajectory) if call.trajectory else None
             last = traj.worker if traj is not None else ""
-            ids = sorted(w.worker_id for w in self._rollout() if w.bucket == bucket)
-            return sorted(ids, key=lambda w: w != last)
+            # The least loaded first (each running turn slows a worker's decode steps), its last
+            # worker ahead of them if it sticks; then the buckets below, for when this one is full.
+            same = sorted(
+                (w for w in self._rollout() if w.bucket == bucket), key=lambda w: (len(w.running), w.worker_id)
+            )
+            below = sorted((w for w in self._rollout() if w.bucket < bucket), key=lambda w: (-w.bucket, len(w.running)))
+            ids = [w.worker_id for w in same]
+            least = len(same[0].running) if same else 0
+            if last in ids and self._sticks(self._workers[last], bucket, least):
+                ids.remove(last)
+                ids.insert(0, last)
+            return ids + [w.worker_id for w in below]
         return [job.sampler if call.lane == SAMPLER else job.home]
 
     def _other_workers(self, call: _Call) -> list[str]:
@@ -591,15 +667,17 @@ class Scheduler:
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
         entries: list[tuple[_ScheduledJob, list[_Call]]] = []
-        away = any(w.role == "rollout" for w in self._workers.values())  # pooled jobs' turns run there
+        away = bool(self._rollout())  # pooled jobs' turns run there
         for job_id in worker.jobs | worker.samplers:
             job = self._jobs[job_id]
             for lane in job.lanes_on(worker.worker_id, job.pooled and away):
                 startable = self._startable(job, lane)
                 if startable:
                     entries.append((job, startable))
-        if worker.role == "rollout" and self._pooled:
-            buckets = sorted({w.bucket for w in self._rollout()})
+        if worker.role == "rollout" and not worker.moving_to and self._pooled:
+            buckets: dict[int, bool] = {}  # each bucket (ascending): whether a worker of it has a free slot
+            for w in sorted(self._rollout(), key=lambda w: w.bucket):
+                buckets[w.bucket] = buckets.get(w.bucket, False) or len(w.running) < w.slots
             for job_id in self._pooled:
                 job = self._jobs[job_id]
                 turns = [c for c in self._startable(job, SAMPLER) if self._takes_turn(worker, buckets, job, c)]

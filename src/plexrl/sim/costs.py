@@ -123,3 +123,59 @@ def grpo_job(
         base=llm.name,
         arrival_s=arrival_s,
     )
+
+
+def pooled_agent_job(
+    name: str,
+    llm: Llm,
+    gpu: Gpu = H200,
+    *,
+    steps: int = 10,
+    rollouts: int = 64,
+    turns: int = 3,
+    prompt_tokens: int = 1024,
+    observation_tokens: int = 256,
+    output_tokens: Lognormal = AGENT_OUTPUT_TOKENS,
+    tool_latency_s: Lognormal = AGENT_TOOL_LATENCY_S,
+    tool_error_p: float = 0.0,
+    difficulty_sigma: float = 0.0,
+    lora_rank: int = 64,
+    arrival_s: float = 0.0,
+) -> JobModel:
+    """An agentic LoRA GRPO job whose trajectories are scheduled turn by turn (a pooled job): a
+    turn's decode step reads the base weights (shared by every turn batched with it), its own KV
+    cache (its context so far) and does its share of the matmuls (``2 * params`` FLOPs a token,
+    at the training MFU: batched decode is far from peak, so this is generous to big batches)."""
+    bandwidth = gpu.hbm_bytes_per_s * gpu.decode_efficiency
+    weights_s = llm.weight_bytes / bandwidth
+    flops_s = 2 * llm.params / (gpu.bf16_flops * gpu.train_mfu)
+    return JobModel(
+        name=name,
+        steps=steps,
+        rollouts=rollouts,
+        turns=turns,
+        output_tokens=output_tokens,
+        decode_step_s=weights_s + flops_s,
+        shared_step_fraction=weights_s / (weights_s + flops_s),
+        kv_step_s_per_token=llm.kv_bytes_per_token / bandwidth,
+        prompt_tokens=prompt_tokens,
+        observation_tokens=observation_tokens,
+        tool_latency_s=tool_latency_s,
+        tool_error_p=tool_error_p,
+        difficulty_sigma=difficulty_sigma,
+        train_s_per_token=6 * llm.params / (gpu.bf16_flops * gpu.train_mfu),
+        optim_step_s=16 * llm.lora_params(lora_rank) / bandwidth,
+        sync_s=4 * llm.lora_params(lora_rank) / bandwidth,
+        state_bytes=int(16 * llm.lora_params(lora_rank)),
+        base=llm.name,
+        arrival_s=arrival_s,
+        pooled=True,
+    )
+
+
+ALL_REDUCE_S = 10e-6  # one small all-reduce over NVLink (decode activations): latency-bound
+
+
+def tp_comm_s(llm: Llm, tp: int) -> float:
+    """What tensor parallelism adds to a decode round: two all-reduces per layer (attention, MLP)."""
+    return 0.0 if tp <= 1 else 2 * llm.layers * ALL_REDUCE_S

@@ -31,9 +31,22 @@ import numpy as np
 
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
-from plexrl.sim.workload import JobModel, Wait, Work, program
+from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, program
 
 _EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """A simulated worker: its role, bucket and batch limit (``slots`` None: the simulation's);
+    ``tp`` devices acting as one (tensor parallelism: each decode round takes ``1/tp`` of its
+    time plus ``comm_s`` of all-reduces; other calls ``1/tp``)."""
+
+    role: str = "both"
+    bucket: int = 0
+    slots: int | None = None
+    tp: int = 1
+    comm_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -45,6 +58,8 @@ class JobResult:
     accelerator_s: float = 0.0  # its calls' device time (its share when batched) + its transitions
     calls: int = 0
     error: str = ""
+    trained_samples: int = 0  # trajectories (pooled) its forward_backward calls trained on
+    steps_done_s: list[float] = field(default_factory=list)  # when each of its optimizer steps finished
 
     @property
     def wall_s(self) -> float:
@@ -61,6 +76,11 @@ class SimResult:
     swaps: int = 0
     swap_s: float = 0.0
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)  # (device, job, start, end)
+    role_moves: int = 0  # workers moved between rollout and training
+
+    @property
+    def trained_samples_per_s(self) -> float:
+        return sum(j.trained_samples for j in self.jobs) / self.end_s if self.end_s else 0.0
 
     @property
     def device_hours(self) -> float:
@@ -73,9 +93,19 @@ class SimResult:
 
 
 @dataclass(slots=True)
+class _Runner:
+    """A program in progress: a job's own, or one trajectory of a ``Fork`` (``parent`` goes on
+    once its ``left`` forked programs have ended)."""
+
+    program: Iterator[Step]
+    parent: _Runner | None = None
+    left: int = 0
+
+
+@dataclass(slots=True)
 class _SimJob:
     model: JobModel
-    program: Iterator[Work | Wait]
+    runner: _Runner
     result: JobResult
 
 
@@ -86,6 +116,7 @@ class _Running:
     work: Work
     left: float  # decode steps (generate) or seconds (other calls) still to do
     started_s: float
+    runner: _Runner
 
 
 @dataclass(slots=True)
@@ -98,19 +129,23 @@ class _Device:
     busy_s: float = 0.0
     first_s: float | None = None
     last_s: float = 0.0
+    tp: int = 1  # devices acting as one
+    comm_s: float = 0.0  # a decode round's all-reduces when tp > 1
 
     def rates(self) -> dict[int, float]:
         """Progress per second of each running call (steps/s for generate, seconds/s otherwise)."""
         if len(self.running) == 1:  # alone: its own modelled pace
             (r,) = self.running.values()
-            step_s = r.work.own_step_s + r.work.shared_step_s
-            return {r.call_id: (1.0 / step_s if step_s > 0 else float("inf")) if r.work.kind == "generate" else 1.0}
+            step_s = (r.work.own_step_s + r.work.shared_step_s) / self.tp + self.comm_s
+            if r.work.kind != "generate":
+                return {r.call_id: float(self.tp)}
+            return {r.call_id: 1.0 / step_s if step_s > 0 else float("inf")}
         gens = [r for r in self.running.values() if r.work.kind == "generate"]
         parties = len(self.running) - len(gens) + (1 if gens else 0)
-        rates = {r.call_id: 1.0 / parties for r in self.running.values() if r.work.kind != "generate"}
+        rates = {r.call_id: self.tp / parties for r in self.running.values() if r.work.kind != "generate"}
         if gens:
             shared = {r.work.base or f"#{r.call_id}": r.work.shared_step_s for r in gens}
-            round_s = sum(shared.values()) + sum(r.work.own_step_s for r in gens)
+            round_s = (sum(shared.values()) + sum(r.work.own_step_s for r in gens)) / self.tp + self.comm_s
             for r in gens:
                 rates[r.call_id] = 1.0 / (parties * round_s) if round_s > 0 else float("inf")
         return rates
@@ -129,36 +164,48 @@ class Simulation:
         swap_bytes_per_s: float = 25e9,
         tick_s: float = 1.0,
         record_timeline: bool = False,
+        worker_specs: list[WorkerSpec] | None = None,
+        scheduler: sch.Scheduler | None = None,
+        move_s: float = 0.0,
     ) -> None:
+        """``worker_specs`` (one per worker; by default ``workers`` of role "both") give roles and
+        buckets; ``scheduler`` one configured beyond its policy (buckets, a rebalancer); ``move_s``
+        what moving a worker between roles costs once its running calls have ended (sleeping or
+        waking its sampler, loading the base for training)."""
         self.policy = policy
         self.slots = slots
         self.memory_bytes, self.swap_bytes_per_s, self.tick_s = memory_bytes, swap_bytes_per_s, tick_s
         self.record_timeline = record_timeline
         self._swaps, self._swap_s, self._left = 0, 0.0, 0
         self._timeline: list[tuple[str, str, float, float]] = []
-        self.scheduler = sch.Scheduler(policy)
+        self.scheduler = scheduler or sch.Scheduler(policy)
+        self.move_s = move_s
+        self._moves: dict[str, str] = {}  # worker -> the role it is moving to (draining its calls)
+        self._role_moves = 0
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []  # (time, tie-break, action)
         self._seq = itertools.count()
         self._call_ids = itertools.count(1)
-        self._devices = {f"w{i}": _Device() for i in range(workers)}
+        self._specs = {f"w{i}": spec for i, spec in enumerate(worker_specs or [WorkerSpec()] * workers)}
+        self._devices = {w: _Device(tp=spec.tp, comm_s=spec.comm_s) for w, spec in self._specs.items()}
         self._jobs: dict[str, _SimJob] = {}
-        self._calls: dict[int, tuple[str, Work]] = {}  # submitted, not yet dispatched
+        self._calls: dict[int, tuple[str, Work, _Runner]] = {}  # submitted, not yet dispatched
         seeds = np.random.SeedSequence(seed).spawn(len(jobs))
         for i, (model, s) in enumerate(zip(jobs, seeds, strict=True)):
             job_id = f"{model.name}-{i}"
-            self._jobs[job_id] = _SimJob(model, program(model, np.random.default_rng(s)), JobResult(model.name))
+            runner = _Runner(program(model, np.random.default_rng(s)))
+            self._jobs[job_id] = _SimJob(model, runner, JobResult(model.name))
 
     def run(self, until_s: float = float("inf")) -> SimResult:
-        for w in self._devices:
-            joined = ev.WorkerJoined(
-                w, self.slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s
-            )
+        for w, spec in self._specs.items():
+            slots = spec.slots or self.slots
+            joined = ev.WorkerJoined(w, slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s,
+                                     role=spec.role, bucket=spec.bucket)  # fmt: skip
             self._handle(joined)
         self._left = len(self._jobs)
         for job_id, job in self._jobs.items():
             self._at(job.model.arrival_s, functools.partial(self._open, job_id))
-        if self.memory_bytes != float("inf"):
+        if self.memory_bytes != float("inf") or self.scheduler.rebalancer is not None:
             self._at(self.tick_s, self._tick)
         while self._events and self._events[0][0] <= until_s:
             self.now, _, fire = heapq.heappop(self._events)
@@ -169,18 +216,21 @@ class Simulation:
         return SimResult(
             policy=self.policy,
             jobs=[j.result for j in self._jobs.values()],
-            busy_s={w: d.busy_s for w, d in self._devices.items()},
-            held_s={w: d.last_s - d.first_s for w, d in self._devices.items() if d.first_s is not None},
+            busy_s={w: d.busy_s * d.tp for w, d in self._devices.items()},  # per device, a TP group's devices
+            held_s={w: (d.last_s - d.first_s) * d.tp for w, d in self._devices.items() if d.first_s is not None},
             end_s=self.now,
             swaps=self._swaps,
             swap_s=self._swap_s,
             timeline=self._timeline,
+            role_moves=self._role_moves,
         )
 
     def _open(self, job_id: str) -> None:
         job = self._jobs[job_id]
         model = job.model
-        self._handle(ev.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated))
+        opened = ev.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated,
+                              pooled=model.pooled)  # fmt: skip
+        self._handle(opened)
         if job.result.error:
             self._left -= 1
 
@@ -197,9 +247,13 @@ class Simulation:
                 case ev.Place(job_id, worker_id):
                     job = self._jobs[job_id]
                     job.result.worker, job.result.started_s = worker_id, self.now
-                    self._advance(job_id)
+                    self._advance(job_id, job.runner)
                 case ev.Dispatch(call_id, worker_id):
                     self._start(call_id, worker_id)
+                case ev.MoveWorker(worker_id, role):
+                    self._moves[worker_id] = role
+                    self._role_moves += 1
+                    self._drained(worker_id)
                 case ev.Fail(job_id, _, error):
                     self._jobs[job_id].result.error = error.message
                 case ev.Swap(job_id, _, _, state_bytes):
@@ -211,32 +265,54 @@ class Simulation:
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))
 
-    def _advance(self, job_id: str) -> None:
-        """Run the job's program up to its next call (tool waits pass on the virtual clock)."""
+    def _drained(self, worker_id: str) -> None:
+        """A worker moving between roles whose calls have all ended switches (``move_s``) and
+        tells the scheduler it is done."""
+        role = self._moves.get(worker_id)
+        if role is None or self._devices[worker_id].running:
+            return
+        del self._moves[worker_id]
+        done = ev.WorkerRole(worker_id, role, seconds=self.move_s)
+        self._at(self.now + self.move_s, functools.partial(self._handle, done))
+
+    def _advance(self, job_id: str, runner: _Runner) -> None:
+        """Run one of the job's programs up to its next call (tool waits pass on the virtual clock)."""
         job = self._jobs[job_id]
-        step = next(job.program, None)
+        step = next(runner.program, None)
         if step is None:
+            if runner.parent is not None:  # a forked trajectory ended
+                runner.parent.left -= 1
+                if not runner.parent.left:
+                    self._advance(job_id, runner.parent)
+                return
             job.result.finished_s = self.now
             self._left -= 1
             self._handle(ev.JobClosed(job_id))
             return
         if isinstance(step, Wait):
-            self._at(self.now + step.seconds, lambda: self._advance(job_id))
+            self._at(self.now + step.seconds, lambda: self._advance(job_id, runner))
+            return
+        if isinstance(step, Fork):
+            runner.left = len(step.programs)
+            if not step.programs:
+                self._advance(job_id, runner)
+            for forked in step.programs:
+                self._advance(job_id, _Runner(forked, parent=runner))
             return
         call_id = next(self._call_ids)
-        self._calls[call_id] = (job_id, step)
-        self._handle(ev.CallSubmitted(call_id, job_id, step.kind))
+        self._calls[call_id] = (job_id, step, runner)
+        self._handle(ev.CallSubmitted(call_id, job_id, step.kind, trajectory=step.trajectory, signals=step.signals))
 
     # -- devices --------------------------------------------------------------------------------
 
     def _start(self, call_id: int, worker_id: str) -> None:
-        job_id, work = self._calls.pop(call_id)
+        job_id, work, runner = self._calls.pop(call_id)
         device = self._devices[worker_id]
         self._settle(device)
         if device.first_s is None:
             device.first_s = self.now
         left = float(work.steps) if work.kind == "generate" else work.seconds
-        device.running[call_id] = _Running(call_id, job_id, work, left, self.now)
+        device.running[call_id] = _Running(call_id, job_id, work, left, self.now, runner)
         result = self._jobs[job_id].result
         result.calls += 1
         if not device.completing:
@@ -275,6 +351,11 @@ class Simulation:
             if self.record_timeline:
                 self._timeline.append((worker_id, r.job_id, r.started_s, self.now))
             self._handle(ev.CallFinished(r.call_id))
-            self._advance(r.job_id)
+            result = self._jobs[r.job_id].result
+            result.trained_samples += r.work.samples
+            if r.work.kind == "optim_step":
+                result.steps_done_s.append(self.now)
+            self._advance(r.job_id, r.runner)
         device.completing = False
         self._reschedule(worker_id, device)
+        self._drained(worker_id)

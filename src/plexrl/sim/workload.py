@@ -9,14 +9,28 @@ sequence (the long tail). Alone on a device, a decode step takes ``decode_step_s
 jobs on the same base share when a device batches them (multi-LoRA sampling). Lengths and tool
 latencies are lognormal, so both have tails. All draws come from the job's own seeded
 generator: a run replays exactly.
+
+A ``pooled`` job is an agent whose trajectories are scheduled one by one (Libra): a step's
+rollout is ``rollouts`` trajectories running at once (``Fork``), each ``turns`` turns of one
+sequence, its tool call after each; a tool call fails with probability ``tool_error_p`` and the
+agent retries it (one more turn, up to ``max_retries``). With ``difficulty_sigma``, each
+trajectory draws a hardness that scales all its turns' lengths and its tool-error chance (hard
+problems are long and error-prone throughout: the premise of routing by what a trajectory did). Each turn carries its trajectory's
+signals so far (``TurnSignals``), as ``job.trajectory()`` sends them. A turn's decode step costs
+``decode_step_s`` (the batch-of-one cost: ``shared_step_fraction`` of it the weight read that
+batched turns share) plus ``kv_step_s_per_token`` times its context so far.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from plexrl.coordinator.events import TurnSignals
+
+NO_SIGNALS = TurnSignals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,20 @@ class JobModel:
     base: str = ""  # the base model: generate calls of jobs on one base batch together
     arrival_s: float = 0.0  # when the job opens
     disaggregated: bool = False  # its generates run on a sampler worker of their own (rollout + trainer devices)
+    pooled: bool = False  # an agent whose turns run on the rollout workers, trajectory by trajectory
+    prompt_tokens: int = 512  # pooled: a trajectory's first context
+    observation_tokens: int = 128  # pooled: what each tool result adds to the context
+    kv_step_s_per_token: float = 0.0  # pooled: a turn's decode step cost per token of its context
+    tool_error_p: float = 0.0  # pooled: a tool call fails and the agent retries it
+    max_retries: int = 3  # pooled: retries per trajectory, at most
+    difficulty_sigma: float = (
+        0.0  # pooled: a trajectory's hardness, Lognormal(1, this), scales its turns' lengths and its tool errors
+    )
+
+    def max_turns_tokens(self) -> int:
+        """A pooled trajectory's token budget beyond its prompt: its turns at the length p99."""
+        p99 = self.output_tokens.median * float(np.exp(2.33 * self.output_tokens.sigma))
+        return int((self.turns + self.max_retries) * (p99 + self.observation_tokens))
 
     def draw_step(self, rng: np.random.Generator) -> tuple[list[int], int, list[float]]:
         """One step's draws: decode steps of each turn's generate call (its longest sequence),
@@ -66,6 +94,9 @@ class Work:
     own_step_s: float = 0.0  # generate: the part of a decode step that is this call's alone
     shared_step_s: float = 0.0  # generate: the part shared with same-base calls batched with it
     base: str = ""
+    trajectory: str = ""  # a pooled job's turn: its trajectory, and what it showed so far
+    signals: TurnSignals = NO_SIGNALS
+    samples: int = 0  # forward_backward: the trajectories it trains on
 
     @property
     def alone_s(self) -> float:
@@ -79,8 +110,21 @@ class Wait:
     seconds: float
 
 
-def program(model: JobModel, rng: np.random.Generator) -> Iterator[Work | Wait]:
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """Programs that run at once (a step's trajectories); the job goes on when all have ended."""
+
+    programs: list[Iterator[Work | Wait | Fork]] = field(default_factory=list)
+
+
+Step = Work | Wait | Fork
+
+
+def program(model: JobModel, rng: np.random.Generator) -> Iterator[Step]:
     """The job's calls and tool waits, in order."""
+    if model.pooled:
+        yield from _agent(model, rng)
+        return
     shared = model.decode_step_s * model.shared_step_fraction
     own = model.decode_step_s - shared
     for _ in range(model.steps):
@@ -91,3 +135,42 @@ def program(model: JobModel, rng: np.random.Generator) -> Iterator[Work | Wait]:
         yield Work("forward_backward", seconds=tokens * model.train_s_per_token)
         yield Work("optim_step", seconds=model.optim_step_s)
         yield Work("sync_weights", seconds=model.sync_s)
+
+
+def _agent(model: JobModel, rng: np.random.Generator) -> Iterator[Step]:
+    """A pooled job: each step forks its trajectories, then trains on all of them."""
+    for step in range(model.steps):
+        trajectories = [_trajectory(model, rng, f"s{step}-{i}") for i in range(model.rollouts)]
+        tokens = sum(t[1] for t in trajectories)
+        yield Fork([t[0] for t in trajectories])
+        yield Work("forward_backward", seconds=tokens * model.train_s_per_token, samples=model.rollouts)
+        yield Work("optim_step", seconds=model.optim_step_s)
+        yield Work("sync_weights", seconds=model.sync_s)
+
+
+def _trajectory(model: JobModel, rng: np.random.Generator, name: str) -> tuple[Iterator[Step], int]:
+    """One trajectory's turns and tool calls (drawn now, so a run replays whatever the schedule),
+    and its tokens."""
+    shared = model.decode_step_s * model.shared_step_fraction
+    own = model.decode_step_s - shared
+    budget = model.prompt_tokens + model.max_turns_tokens()
+    steps: list[Step] = []
+    context, sampled, errors, turn = model.prompt_tokens, 0, 0, 0
+    # A hard problem is hard throughout: longer turns and more failed tool calls (what makes a
+    # trajectory's past a signal of its future; 0: every turn drawn alike).
+    hardness = float(rng.lognormal(0.0, model.difficulty_sigma)) if model.difficulty_sigma else 1.0
+    error_p = min(0.9, model.tool_error_p * hardness)
+    while turn < model.turns + errors:
+        length = int(np.ceil(hardness * model.output_tokens.draw(rng)))
+        signals = TurnSignals(turn=turn, tool_errors=errors, tokens=context, token_budget=budget)
+        # Its context grows while it decodes: the mean context over the turn's steps.
+        per_step = own + model.kv_step_s_per_token * (context + length / 2)
+        steps.append(Work("generate", steps=length, own_step_s=per_step, shared_step_s=shared, base=model.base,
+                          trajectory=name, signals=signals))  # fmt: skip
+        context += length + model.observation_tokens
+        sampled += length
+        failed = errors < model.max_retries and rng.random() < error_p
+        errors += failed
+        steps.append(Wait(float(model.tool_latency_s.draw(rng))))
+        turn += 1
+    return iter(steps), context

@@ -1,0 +1,80 @@
+"""Libra's elastic roles, as plexrl can have them: workers that hold jobs' homes (their trainers)
+lend themselves to the rollout pool while their jobs are rolling out, and come back when a
+job of theirs has training to do.
+
+A job's trainer state stays on its home (affinity), so training cannot spread over more
+workers; what moves is the home worker's spare time. A ``train`` worker whose homes have no
+trainer call queued or running, while turns wait for rollout workers or the rollout workers
+batch ``LEND_LOAD`` turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if
+its jobs are expected to stay out of training long enough to pay for the move: the expected
+remainder of their rollout phase (a running mean of their past phases, from a ``sync_weights``
+to the next ``forward_backward``) must exceed ``margin`` times a move there and back (a rolling
+mean of the last three measured moves, ``prior_move_s`` before any). A ``rollout`` worker holding
+a home moves back as soon as a trainer call of that home is submitted (training is on the
+critical path: the job's next rollout waits for it). Moving is non-blocking: the worker stops
+taking turns (or homes) at once, its running turns finish, its trainer calls run throughout.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plexrl.coordinator.scheduler import Scheduler
+
+PHASE_WEIGHT = 0.5  # of the newest rollout phase in a job's running mean
+LEND_LOAD = 2.0  # turns running per rollout worker from which another worker speeds rollout up (smaller batches)
+
+
+@dataclass(slots=True)
+class Rebalancer:
+    prior_move_s: float = 10.0
+    margin: float = 1.0
+    _moves: deque[float] = field(default_factory=lambda: deque(maxlen=3))
+    _phase_s: dict[str, float] = field(default_factory=dict)  # job -> mean rollout phase
+    _phase_start: dict[str, float] = field(default_factory=dict)  # job -> when its current one started
+
+    def move_s(self) -> float:
+        return sum(self._moves) / len(self._moves) if self._moves else self.prior_move_s
+
+    def moved(self, seconds: float) -> None:
+        self._moves.append(seconds)
+
+    def rollout_started(self, job_id: str, now: float) -> None:
+        self._phase_start[job_id] = now
+
+    def training_started(self, job_id: str, now: float) -> None:
+        start = self._phase_start.pop(job_id, None)
+        if start is not None:
+            last = self._phase_s.get(job_id)
+            took = now - start
+            self._phase_s[job_id] = took if last is None else (1 - PHASE_WEIGHT) * last + PHASE_WEIGHT * took
+
+    def forget(self, job_id: str) -> None:
+        self._phase_s.pop(job_id, None)
+        self._phase_start.pop(job_id, None)
+
+    def expected_rollout_left_s(self, job_id: str, now: float) -> float:
+        """How much longer the job is expected to stay out of training (0: unknown or training)."""
+        start, mean = self._phase_start.get(job_id), self._phase_s.get(job_id)
+        if start is None or mean is None:
+            return 0.0
+        return max(0.0, mean - (now - start))
+
+    def plan(self, s: Scheduler, now: float) -> list[tuple[str, str]]:
+        """(worker, role) moves to make now."""
+        moves = []
+        waiting = s.queued_turns() > 0 or s.rollout_load() >= LEND_LOAD
+        for w in s.workers():
+            if w.moving_to or not w.jobs:
+                continue
+            training = any(s.trainer_busy(j) for j in w.jobs)
+            if w.role == "train" and waiting and not training:
+                left = min(self.expected_rollout_left_s(j, now) for j in w.jobs)
+                if left > self.margin * 2 * self.move_s():
+                    moves.append((w.worker_id, "rollout"))
+            elif w.role == "rollout" and training:
+                moves.append((w.worker_id, "train"))
+        return moves
