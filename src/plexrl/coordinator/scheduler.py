@@ -430,8 +430,8 @@ class Scheduler:
     def _takes_turn(self, worker: _Worker, buckets: dict[int, bool], job: _ScheduledJob, call: _Call) -> bool:
         """The rollout ``worker`` may start this turn of a pooled job: it is in the bucket serving the
         turn's level, or in a lower one while every worker of that bucket is full (``buckets``: each
-        bucket, whether one of its workers has a free slot); and the turn's trajectory did not last
-        run on another worker of its bucket that has a free slot."""
+        bucket, whether one of its workers has a free slot); and the turn's trajectory's last
+        worker, if another, does not take it back (``_sticks``)."""
         preferred = bucket_for(call.level, list(buckets))
         if worker.bucket > preferred or (worker.bucket < preferred and buckets[preferred]):
             return False
