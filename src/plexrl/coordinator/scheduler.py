@@ -167,6 +167,7 @@ class Scheduler:
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
         self._homeless: dict[str, tuple[float, str]] = {}  # job -> (since, why) while no worker can take it
         self._pooled: set[str] = set()  # pooled jobs
+        self._rollout_ids: set[str] = set()  # workers taking pooled turns now (``_rollout``)
         self._started: dict[int, float] = {}  # running turn of a pooled job -> when it started
         self.trajectories = Trajectories(mlfq or Mlfq())
         self.rebalancer = rebalancer  # moves home workers between training and rollout (None: roles stay)
@@ -263,6 +264,7 @@ class Scheduler:
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
+                self._roles_changed(worker)
                 actions += self._rehome_waiting(now)
                 # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
                 touched = sorted(self._workers) if role == "rollout" else [worker_id]
@@ -270,11 +272,9 @@ class Scheduler:
                 moved = self._workers.get(worker_id)
                 if moved is not None and seconds > 0 and self.rebalancer is not None:
                     self.rebalancer.moved(seconds)
-                if moved is not None and moved.moving_to:
-                    moved.moving_to = ""  # the move is over (or an operator's order overrides it)
-                    moved.role = ""  # so the change below applies
-                if moved is not None and role != moved.role:
-                    moved.role = role  # its running calls finish where they are
+                if moved is not None and (role != moved.role or moved.moving_to):
+                    moved.role, moved.moving_to = role, ""  # the move is over (or an operator overrides it)
+                    self._roles_changed(moved)  # its running calls finish where they are
                     if role != "rollout":
                         actions += self._rehome_waiting(now)
                     touched = sorted(self._workers)  # queued turns re-route
@@ -412,16 +412,25 @@ class Scheduler:
 
     def _rollout(self) -> list[_Worker]:
         """The workers taking pooled turns (not one a MoveWorker is taking elsewhere)."""
-        return [w for w in self._workers.values() if w.role == "rollout" and not w.moving_to]
+        return [self._workers[w] for w in sorted(self._rollout_ids)]
+
+    def _roles_changed(self, worker: _Worker) -> None:
+        """Keep ``_rollout_ids`` (every dispatch asks it: a scan of all workers would cost the
+        simulator half its speed on 1024 devices) up to date with ``worker``'s role."""
+        if worker.role == "rollout" and not worker.moving_to and worker.worker_id in self._workers:
+            self._rollout_ids.add(worker.worker_id)
+        else:
+            self._rollout_ids.discard(worker.worker_id)
 
     def _pooled_away(self, job: _ScheduledJob) -> bool:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
-        return job.pooled and bool(self._rollout())
+        return job.pooled and bool(self._rollout_ids)
 
     def _move_worker(self, worker: _Worker, role: str, now: float) -> list[Action]:
         """Start moving ``worker`` to ``role``: from now on it takes no turns (and, bound for
         rollout, no new homes); turns that waited for it go to the other rollout workers."""
         worker.moving_to = role
+        self._roles_changed(worker)
         actions: list[Action] = [MoveWorker(worker.worker_id, role)]
         for other in sorted(w.worker_id for w in self._rollout()):
             actions += self._dispatch(self._workers[other], now)
@@ -556,6 +565,7 @@ class Scheduler:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return []
+        self._rollout_ids.discard(worker_id)
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
@@ -667,7 +677,7 @@ class Scheduler:
             if victim is not None:
                 actions.append(self._move(worker, victim, rs.HOST))
         entries: list[tuple[_ScheduledJob, list[_Call]]] = []
-        away = bool(self._rollout())  # pooled jobs' turns run there
+        away = bool(self._rollout_ids)  # pooled jobs' turns run there
         for job_id in worker.jobs | worker.samplers:
             job = self._jobs[job_id]
             for lane in job.lanes_on(worker.worker_id, job.pooled and away):
