@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from plexrl.sim.workload import JobModel, Lognormal
 
@@ -116,13 +117,21 @@ def grpo_job(
         decode_step_s=decode_step_s,
         shared_step_fraction=llm.weight_bytes / (llm.weight_bytes + kv_step),
         tool_latency_s=tool_latency_s,
-        train_s_per_token=6 * llm.params / (gpu.bf16_flops * gpu.train_mfu),
-        optim_step_s=16 * llm.lora_params(lora_rank) / bandwidth,  # AdamW: read/write fp32 state
-        sync_s=4 * llm.lora_params(lora_rank) / bandwidth,  # adapter copy into the sampler
-        state_bytes=int(16 * llm.lora_params(lora_rank)),  # fp32 adapter, gradients, two moments
-        base=llm.name,
         arrival_s=arrival_s,
+        **_lora_training(llm, gpu, lora_rank),
     )
+
+
+def _lora_training(llm: Llm, gpu: Gpu, lora_rank: int) -> dict[str, Any]:
+    """What a LoRA job's training costs, and the state it keeps between calls."""
+    bandwidth = gpu.hbm_bytes_per_s * gpu.decode_efficiency
+    return {
+        "train_s_per_token": 6 * llm.params / (gpu.bf16_flops * gpu.train_mfu),
+        "optim_step_s": 16 * llm.lora_params(lora_rank) / bandwidth,  # AdamW: read/write fp32 state
+        "sync_s": 4 * llm.lora_params(lora_rank) / bandwidth,  # adapter copy into the sampler
+        "state_bytes": int(16 * llm.lora_params(lora_rank)),  # fp32 adapter, gradients, two moments
+        "base": llm.name,
+    }
 
 
 def pooled_agent_job(
@@ -163,13 +172,9 @@ def pooled_agent_job(
         tool_latency_s=tool_latency_s,
         tool_error_p=tool_error_p,
         difficulty_sigma=difficulty_sigma,
-        train_s_per_token=6 * llm.params / (gpu.bf16_flops * gpu.train_mfu),
-        optim_step_s=16 * llm.lora_params(lora_rank) / bandwidth,
-        sync_s=4 * llm.lora_params(lora_rank) / bandwidth,
-        state_bytes=int(16 * llm.lora_params(lora_rank)),
-        base=llm.name,
         arrival_s=arrival_s,
         pooled=True,
+        **_lora_training(llm, gpu, lora_rank),
     )
 
 
