@@ -320,7 +320,7 @@ class Scheduler:
                     actions += self._rehome_waiting(now)
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 touched = [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
-            case Tick():  # only workers with a job waiting for room can change anything
+            case Tick():  # waiting jobs may hit their starvation bound; the rebalancer may move a worker
                 for job_id, (since, why) in sorted(self._homeless.items()):
                     if now - since >= self.recovery_wait_s:
                         del self._homeless[job_id]
