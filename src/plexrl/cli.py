@@ -87,6 +87,25 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes of messages one key's queued and running calls may hold, e.g. 16GiB",
     )
     _policy(p)
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="Libra's elastic roles: train workers whose pooled jobs roll out lend themselves to rollout "
+        "until those jobs train again",
+    )
+    p.add_argument(
+        "--move-prior",
+        type=float,
+        default=1.0,
+        help="with --elastic: seconds a worker's move between roles is expected to take until moves are measured",
+    )
+    p.add_argument(
+        "--level-service",
+        type=_seconds_list,
+        default=(2.0, 8.0, 32.0),
+        help="pooled jobs' trajectories: seconds of service at which one moves down to levels 1, 2, ... "
+        "(comma-separated, increasing; tool errors, turns and tokens move it down too)",
+    )
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
     p.add_argument(
@@ -119,6 +138,20 @@ def _parser() -> argparse.ArgumentParser:
         choices=["vllm", "hf"],
         default=None,
         help="generation engine: vllm (default where installed; $PLEXRL_SAMPLER overrides) or hf (transformers)",
+    )
+    p.add_argument(
+        "--role",
+        choices=["both", "rollout", "train"],
+        default="both",
+        help="what it serves: both (default: jobs' homes, their training and sampling), rollout (pooled jobs' "
+        "turns only, never a home), train (homes only; pooled jobs' turns go to rollout workers)",
+    )
+    p.add_argument(
+        "--bucket",
+        type=int,
+        default=0,
+        help="a rollout worker's bucket: the lowest trajectory level it serves (Libra; 0 serves every level "
+        "without a bucket of its own; give larger-batch or faster workers higher buckets for long trajectories)",
     )
     p.add_argument(
         "--max-lora-rank",
@@ -189,6 +222,16 @@ def _policy(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds separated by commas, e.g. 2,8,32") from None
+    if not values or any(not v > 0 for v in values) or list(values) != sorted(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: the seconds must be > 0 and increasing, e.g. 2,8,32")
+    return values
+
+
 def _memory_budget(p: argparse.ArgumentParser, default: int | None) -> None:
     p.add_argument(
         "--memory-budget",
@@ -252,6 +295,9 @@ def _coordinator(args: argparse.Namespace) -> int:
         heartbeat_liveness=args.heartbeat_liveness,
         max_message_bytes=args.max_message_bytes,
         policy=args.policy,
+        elastic=args.elastic,
+        move_prior_s=args.move_prior,
+        level_service_s=args.level_service,
     )
 
     def ready(address: str) -> None:
@@ -291,6 +337,8 @@ def _worker(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs,
+        role=args.role,
+        bucket=args.bucket,
         credentials=_load_credentials(args),
         **({"checkpoint_root": args.checkpoint_root} if args.checkpoint_root else {}),
     )

@@ -193,6 +193,14 @@ async def test_invalid_calls_are_refused_before_they_reach_a_worker(
         raw.send_multipart([body, np.array([1], np.int32).tobytes(), np.array([0, 1], np.int64).tobytes()])
         reply = await _reply(raw)
         assert isinstance(reply, m.ErrorReply) and reply.code == "invalid_sampling_params" and reply.rid == 13
+        # Only a generate continues a trajectory; a placement must be one there is.
+        turn = m.TurnOf(trajectory="t0", turn=1)
+        _send(raw, m.Submit(rid=14, job_id=opened.job_id, call=calls.SyncWeights(), turn=turn))
+        reply = await _reply(raw)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "invalid_request" and "turn" in reply.message
+        _send(raw, m.OpenJob(rid=15, name="nowhere", spec=calls.JobSpec(model=str(tiny_model)), placement="pool"))
+        reply = await _reply(raw)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "invalid_request" and "pooled" in reply.message
         # Token ids outside the vocabulary are caught by the worker.
         with pytest.raises(BatchShapeError):
             await job.generate([[1, 10_000]])

@@ -259,11 +259,18 @@ class Client:
                 self._pump.send(self._codec.encode(m.Cancel(rid=next(self._rids), call_rid=rid)))
 
     def submit(
-        self, job_id: str, call: calls.Call, result_type: type[T], priority: int = 0, seq: int = 0
+        self,
+        job_id: str,
+        call: calls.Call,
+        result_type: type[T],
+        priority: int = 0,
+        seq: int = 0,
+        turn: m.TurnOf | None = None,
     ) -> asyncio.Future[T]:
-        """Submit ``call`` to the job, as its ``seq``-th call (its ``Job`` numbers them)."""
+        """Submit ``call`` to the job, as its ``seq``-th call (its ``Job`` numbers them); ``turn``:
+        the trajectory a generate continues."""
         deadline = self.deadlines.get(calls.CALL_KIND[type(call)])
-        submit = m.Submit(job_id=job_id, call=call, priority=priority, seq=seq)
+        submit = m.Submit(job_id=job_id, call=call, priority=priority, seq=seq, turn=turn)
         return self.request(submit, expect_result(result_type), deadline)
 
     async def open_job(

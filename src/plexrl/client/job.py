@@ -24,7 +24,7 @@ from plexrl.client.connection import Client, current_client
 from plexrl.client.trajectory import Trajectory
 from plexrl.errors import JobClosedError, NoJobContextError, PlexError, UnknownJobError
 from plexrl.protocol import calls
-from plexrl.protocol.messages import JobInfo
+from plexrl.protocol.messages import JobInfo, TurnOf
 from plexrl.rollout.pipeline import Reward, Rollout
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, SamplingParams
 
@@ -66,6 +66,7 @@ class Job:
         # again (after a worker's death or a coordinator restart) samples the same tokens.
         self._seqs = itertools.count(next_seq)
         self._generates = itertools.count(generates)
+        self._trajectories = itertools.count()  # names its trajectories (a pooled job routes their turns)
         client.jobs[job_id] = self
 
     def __repr__(self) -> str:
@@ -76,6 +77,11 @@ class Job:
     ) -> asyncio.Future[calls.Generated]:
         """Sample ``params.n`` completions per prompt (token ids) with the sampler's weights.
         ``priority``: among this job's queued generates, lower is admitted first."""
+        return self._generate(prompts, params, priority)
+
+    def _generate(
+        self, prompts: Prompts, params: SamplingParams | None, priority: int, turn: TurnOf | None = None
+    ) -> asyncio.Future[calls.Generated]:
         params = params or SamplingParams()
         params.validate()
         if params.seed is None:
@@ -83,7 +89,7 @@ class Job:
         else:
             next(self._generates)
         rows = prompts if isinstance(prompts, Ragged) else Ragged.from_rows(prompts, "int32")
-        return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated, priority)
+        return self._submit(calls.Generate(prompts=rows, params=params), calls.Generated, priority, turn)
 
     def rollout(
         self,
@@ -118,7 +124,8 @@ class Job:
         Budgets: at most ``max_turns`` turns, ``max_tokens`` tokens in all (prompt, turns and
         observations), ``turn_timeout_s`` per turn, ``timeout_s`` from now to the last turn's end."""
         return Trajectory(
-            self, np.asarray(prompt, np.int32).reshape(-1), max_turns=max_turns, max_tokens=max_tokens,
+            self, np.asarray(prompt, np.int32).reshape(-1), f"t{next(self._trajectories)}", max_turns=max_turns,
+            max_tokens=max_tokens,
             turn_timeout_s=turn_timeout_s, timeout_s=timeout_s,
         )  # fmt: skip
 
@@ -178,8 +185,10 @@ class Job:
         finally:
             self.client.jobs.pop(self.job_id, None)
 
-    def _submit(self, call: calls.Call, result_type: type[R], priority: int = 0) -> asyncio.Future[R]:
-        return self.client.submit(self.job_id, call, result_type, priority, seq=next(self._seqs))
+    def _submit(
+        self, call: calls.Call, result_type: type[R], priority: int = 0, turn: TurnOf | None = None
+    ) -> asyncio.Future[R]:
+        return self.client.submit(self.job_id, call, result_type, priority, seq=next(self._seqs), turn=turn)
 
 
 @asynccontextmanager
@@ -202,7 +211,9 @@ async def job(
     share of accelerator time under the ``plex`` policy, relative to other jobs (2.0: twice).
     ``placement="disaggregated"`` runs its generates on another worker than its training (a
     replica of its sampler there, new weights pushed on every ``sync_weights``), so sampling and
-    training overlap; ``"colocated"`` (default) keeps both on one worker. ``max_staleness=k``
+    training overlap; ``"pooled"`` runs them on the cluster's rollout workers (``plexrl worker
+    --role rollout``), each turn of a ``job.trajectory`` in the bucket its signals so far call
+    for (Libra); ``"colocated"`` (default) keeps both on one worker. ``max_staleness=k``
     trains on samples of weights up to ``k`` versions old (0, the default: strictly on-policy);
     pair it with :class:`plexrl.rollout.StalenessGate` to bound what is in flight.
     ``reattach=True`` first takes over this key's job ``name`` whose client went away (a restarted

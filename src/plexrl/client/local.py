@@ -55,9 +55,17 @@ class LocalCluster:
         hang_timeout_s: float | None = None,
         snapshot_max_bytes: int | None = None,
         journal: str | os.PathLike[str] | None = None,
+        roles: list[str] | None = None,
+        buckets: list[int] | None = None,
+        elastic: bool = False,
+        move_prior_s: float | None = None,
+        level_service_s: tuple[float, ...] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
+        for name, given in (("roles", roles), ("buckets", buckets)):
+            if given is not None and len(given) != workers:
+                raise ValueError(f"{name}={given}: give one per worker ({workers})")
         self.workers = workers
         self.device = device
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -82,6 +90,13 @@ class LocalCluster:
         self.hang_timeout_s = hang_timeout_s  # a worker running a call without progress this long is lost
         self.snapshot_max_bytes = snapshot_max_bytes  # jobs up to this size survive their worker (0: none)
         self.journal = journal  # the coordinator's journal: its jobs survive its restart (None: none)
+        # Libra: worker i's role ("both", "rollout", "train") and bucket; ``elastic``: the
+        # coordinator lends train workers to rollout while their pooled jobs roll out.
+        self.roles = roles or ["both"] * workers
+        self.buckets = buckets or [0] * workers
+        self.elastic = elastic
+        self.move_prior_s = move_prior_s  # with elastic: what a move costs until one is measured (None: default)
+        self.level_service_s = level_service_s  # service seconds moving trajectories down levels (None: default)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -174,6 +189,9 @@ class LocalCluster:
                 *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
                 *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
                 *(["--journal", os.fspath(self.journal)] if self.journal is not None else []),
+                *(["--elastic"] if self.elastic else []),
+                *(["--move-prior", str(self.move_prior_s)] if self.move_prior_s is not None else []),
+                *(["--level-service", ",".join(map(str, self.level_service_s))] if self.level_service_s else []),
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,
@@ -206,6 +224,7 @@ class LocalCluster:
             *(["--sampler", self.sampler] if self.sampler else []),
             *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
             *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
+            "--role", self.roles[i % self.workers], "--bucket", str(self.buckets[i % self.workers]),
             *extra,
         )  # fmt: skip
         process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)

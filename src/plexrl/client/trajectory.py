@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from plexrl.errors import TrajectoryError
+from plexrl.protocol.messages import TurnOf
 from plexrl.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class Turn:
     observation: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32: appended after it
     ok: bool | None = None  # the tool's outcome, as the caller reported it (None: nothing observed)
     latency_s: float = 0.0  # how long the tool took, as the caller reported it
+    tool_calls: int = 0  # observations appended after it (more than one: the tool was called again)
+    tool_errors: int = 0  # of those, reported not ok
 
 
 class Trajectory:
@@ -63,6 +66,7 @@ class Trajectory:
         self,
         job: Job,
         prompt: np.ndarray,
+        name: str = "",
         *,
         max_turns: int | None = None,
         max_tokens: int | None = None,
@@ -76,13 +80,14 @@ class Trajectory:
             problems.append(f"max_turns={max_turns} must be >= 1 (or None: no limit)")
         if max_tokens is not None and max_tokens <= len(prompt):
             problems.append(f"max_tokens={max_tokens} must exceed the prompt's {len(prompt)} tokens")
-        for name, value in (("turn_timeout_s", turn_timeout_s), ("timeout_s", timeout_s)):
+        for budget, value in (("turn_timeout_s", turn_timeout_s), ("timeout_s", timeout_s)):
             if value is not None and not value > 0:
-                problems.append(f"{name}={value} must be > 0 seconds (or None: no limit)")
+                problems.append(f"{budget}={value} must be > 0 seconds (or None: no limit)")
         if problems:
             raise TrajectoryError("invalid trajectory: " + "; ".join(problems))
         self.job = job
         self.prompt = prompt
+        self.name = name  # unique within its job: a pooled job's coordinator routes its turns by it
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.turn_timeout_s = turn_timeout_s
@@ -140,7 +145,7 @@ class Trajectory:
         if budget != params.max_tokens:
             params = _with_max_tokens(params, budget)
         prompt = self.tokens
-        call = self.job.generate([prompt], params, priority=priority)
+        call = self.job._generate([prompt], params, priority, self._turn_of())
         try:
             async with asyncio.timeout(timeout):
                 out = await call
@@ -168,7 +173,20 @@ class Trajectory:
         last.observation = np.concatenate([last.observation, obs])
         last.ok = ok if last.ok is None else (last.ok and ok)
         last.latency_s += latency_s
+        last.tool_calls += 1
+        last.tool_errors += not ok
         self._length += len(obs)
+
+    def _turn_of(self) -> TurnOf:
+        """What the coordinator routes the next turn by (Libra's signals at tool boundaries)."""
+        return TurnOf(
+            trajectory=self.name,
+            turn=len(self.turns),
+            tool_errors=sum(t.tool_errors for t in self.turns),
+            retries=sum(max(0, t.tool_calls - 1) for t in self.turns),
+            tokens=self._length,
+            token_budget=self.max_tokens or 0,
+        )
 
     def stop(self, reason: str = "done") -> None:
         """End the trajectory (the caller's reason, e.g. "answered"); a budget's reason is kept."""

@@ -23,7 +23,9 @@ import zmq
 
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
+from plexrl.coordinator.buckets import Mlfq
 from plexrl.coordinator.journal import JobRow, Journal
+from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.errors import (
     CallAbortedError,
     CoordinatorLostError,
@@ -47,7 +49,7 @@ from plexrl.protocol.pump import Frames, Pump
 log = logging.getLogger("plexrl.coordinator")
 
 TICK_S = 0.1  # how often jobs waiting for device room are re-checked
-PLACEMENTS = ("colocated", "disaggregated")
+PLACEMENTS = ("colocated", "disaggregated", "pooled")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Calls whose engine work ticks the worker's progress (a decoding step, a row group's forward or
 # backward, an optimizer step): one running with the count standing still means a hung engine.
@@ -70,6 +72,8 @@ class _WorkerRecord:
     liveness: Liveness
     calls_done: int = 0
     progress: int = 0  # its engine's progress count, from its heartbeats
+    moving: tuple[str, float] | None = None  # a MoveWorker under way: (the role, since when)
+    role_moves: int = 0
     progress_at: float = 0.0  # when that count last moved, or the worker was last idle
 
 
@@ -103,6 +107,11 @@ class _JobRecord:
     snapshot: calls.Snapshot | None = None
     replay: list[calls.ForwardBackward | calls.SyncWeights] = field(default_factory=list)
     recoveries: int = 0
+    # A pooled job (its generates run on the rollout workers): the weights its sampler serves, as
+    # its last sync_weights or load exported them (None: its initial ones), pushed to a rollout
+    # worker before that worker's first turn of it under them.
+    pooled: bool = False
+    weights: calls.SetWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,13 @@ class CoordinatorConfig:
     # A journal file (SQLite): jobs that survive the loss of their worker also survive a restart of
     # the coordinator (started again with the same journal). None: a restart loses every job.
     journal: str | None = None
+    # Libra's elastic roles: a ``train`` worker whose pooled jobs are rolling out lends itself to
+    # the rollout workers until one of them has training to do (``coordinator/rebalance.py``).
+    elastic: bool = False
+    move_prior_s: float = 1.0  # what a move is expected to cost before one is measured
+    # Libra's buckets: the accelerator-seconds of service at which a trajectory moves down to levels
+    # 1, 2, 3 (besides its tool errors, turns and tokens: ``coordinator/buckets.py``).
+    level_service_s: tuple[float, ...] = Mlfq().service_s
 
 
 class Coordinator:
@@ -185,7 +201,13 @@ class Coordinator:
         self._now = config.clock
         self._started = self._now()
         self._codec: Codec[m.ToCoordinator] = Codec(m.ToCoordinator, max_bytes=config.max_message_bytes)
-        self._scheduler = sch.Scheduler(config.policy, recovery_wait_s=config.recovery_wait_s)
+        rebalancer = Rebalancer(prior_move_s=config.move_prior_s) if config.elastic else None
+        self._scheduler = sch.Scheduler(
+            config.policy,
+            recovery_wait_s=config.recovery_wait_s,
+            mlfq=Mlfq(levels=len(config.level_service_s) + 1, service_s=config.level_service_s),
+            rebalancer=rebalancer,
+        )
         self._workers: dict[str, _WorkerRecord] = {}
         self._worker_by_ident: dict[bytes, str] = {}
         self._jobs: dict[str, _JobRecord] = {}
@@ -202,6 +224,9 @@ class Coordinator:
         self._job_ids = itertools.count(1)
         self._move_ids = itertools.count(1)
         self._moves: dict[int, tuple[str, str]] = {}  # move id -> (worker, job) awaiting StateMoved
+        # Rollout workers' replicas of pooled jobs: worker -> job -> the weight version it serves.
+        self._replicas: dict[str, dict[str, int]] = collections.defaultdict(dict)
+        self._replica_calls: dict[int, tuple[str, str]] = {}  # call id -> (worker, job) of a replica's open or weights
         self._stopping = asyncio.Event()
         self._pump: Pump | None = None
         self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
@@ -436,6 +461,11 @@ class Coordinator:
                 self._on_call_outcome(worker_id, msg)
 
     def _register_worker(self, ident: bytes, msg: m.Register) -> None:
+        if msg.role not in ev.ROLES or msg.bucket < 0:
+            raise InvalidRequestError(
+                f"worker role {msg.role!r} / bucket {msg.bucket}: the role is one of {', '.join(ev.ROLES)}, "
+                "the bucket a level >= 0"
+            )
         old = self._worker_by_ident.get(ident)
         if old is not None:  # a worker that lost us and came back: its old state is gone
             self._lose_worker(self._workers[old], "worker re-registered")
@@ -444,15 +474,16 @@ class Coordinator:
             ident, worker_id, msg, Liveness(self.config.heartbeat_liveness), progress_at=self._now()
         )
         self._worker_by_ident[ident] = worker_id
-        log.info("worker %s registered: %s on %s (pid %d)", worker_id, msg.name, msg.device, msg.pid)
+        log.info("worker %s registered: %s on %s (pid %d, role %s)", worker_id, msg.name, msg.device, msg.pid, msg.role)
         interval, liveness = self.config.heartbeat_interval_s, self.config.heartbeat_liveness
         self._send(
             ident,
             m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
         )
         joined = ev.WorkerJoined(
-            worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes, trainer_slots=msg.trainer_slots
-        )
+            worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes, trainer_slots=msg.trainer_slots,
+            role=msg.role, bucket=msg.bucket,
+        )  # fmt: skip
         self._apply(joined)
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
             self._waiters.remove(w)
@@ -477,12 +508,16 @@ class Coordinator:
         open_call = calls.Open(spec=msg.spec, tenant=self._tenant_folder(ident), snapshot_max_bytes=snapshot_max_bytes)
         self._calls[call_id] = _CallRecord(call_id, job_id, ident, msg.rid, open_call)
         # Its state's size is known once the worker opened it (JobSized).
-        opened = ev.JobOpened(job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated)
+        pooled = msg.placement == "pooled"
+        opened = ev.JobOpened(
+            job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated, pooled=pooled
+        )
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, ev.Place):
                 self._jobs[job_id] = _JobRecord(
                     job_id, msg.name, self._peers[ident].tenant, action.worker_id, msg.spec,
                     sampler_id=action.sampler_id, client=ident, open=open_call, weight=msg.weight, token=msg.token,
+                    pooled=pooled,
                 )  # fmt: skip
                 self._apply(ev.CallSubmitted(call_id, job_id, "open"))
             elif isinstance(action, ev.Fail) and action.call_id is None:  # the opening itself failed
@@ -506,6 +541,8 @@ class Coordinator:
             raise InvalidRequestError(
                 f"{type(msg.call).__name__} calls are the coordinator's own: open jobs with OpenJob"
             )
+        if msg.turn is not None and not isinstance(msg.call, calls.Generate):
+            raise InvalidRequestError(f"only a generate can be a trajectory's turn, not {type(msg.call).__name__}")
         _validate(msg.call)
         if job.state == "lost" and isinstance(msg.call, calls.Close):
             self._drop_lost(job)
@@ -547,7 +584,10 @@ class Coordinator:
         self._calls_of_tenant[tenant] += 1
         self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
-        self._apply(ev.CallSubmitted(call_id, job.job_id, calls.CALL_KIND[type(msg.call)], msg.priority))
+        turn = msg.turn if job.pooled else None  # other jobs' generates run where their job's sampler is
+        trajectory, signals = ("", ev.TurnSignals()) if turn is None else (turn.trajectory, _signals(turn))
+        kind = calls.CALL_KIND[type(msg.call)]
+        self._apply(ev.CallSubmitted(call_id, job.job_id, kind, msg.priority, trajectory=trajectory, signals=signals))
 
     def _cancel(self, ident: bytes, call_rid: int) -> None:
         """A queued call is dropped; a running one is aborted on its worker (if the engine can)."""
@@ -649,6 +689,9 @@ class Coordinator:
         self._remove_job(job.job_id)
 
     def _on_call_outcome(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
+        if msg.rid in self._replica_calls:
+            self._replica_call_done(worker_id, msg)
+            return
         rec = self._calls.get(msg.rid)
         if rec is None or rec.worker_id != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
@@ -662,6 +705,8 @@ class Coordinator:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
+            if job is not None and job.pooled:
+                result = self._keep_weights(job, result)
             if isinstance(result, calls.Opened):
                 recoverable = result.snapshots and job is not None and not job.sampler_id
                 self._apply(ev.JobSized(rec.job_id, result.state_bytes, recoverable=recoverable))
@@ -678,6 +723,7 @@ class Coordinator:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
         self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
+        self._settle_move(worker_id)
         if isinstance(rec.call, calls.Restore) and job is not None:
             if error:
                 self._mark_lost(job)
@@ -726,6 +772,9 @@ class Coordinator:
         self._jobs.pop(job_id, None)
         if self._journal is not None:
             self._journal.closed(job_id)
+        for worker_id, replicas in self._replicas.items():  # a pooled job's replicas on rollout workers
+            if replicas.pop(job_id, None) is not None and worker_id in self._workers:
+                self._close_unawaited(worker_id, job_id)
         self._apply(ev.JobClosed(job_id))
 
     def _mark_lost(self, job: _JobRecord) -> None:
@@ -765,6 +814,64 @@ class Coordinator:
         self._send(sampler.ident, m.Execute(rid=rec.call_id, job_id=rec.job_id, call=follow))
         return True
 
+    def _replicate(self, job: _JobRecord, worker_id: str) -> None:
+        """Before a pooled job's turn goes to a rollout worker: the worker gets a replica of the
+        job's sampler if it has none, and the job's current weights if it serves older ones. The
+        worker runs the calls it receives in order, so the turn (sent next) runs on them; a turn
+        is never dispatched across a sync (a barrier), so the version it samples is exact."""
+        replicas = self._replicas[worker_id]
+        ident = self._workers[worker_id].ident
+        if job.job_id not in replicas:
+            assert job.open is not None
+            call_id = next(self._call_ids)
+            self._replica_calls[call_id] = (worker_id, job.job_id)
+            replica = calls.Open(spec=job.spec, replica=True, tenant=job.open.tenant)
+            self._send(ident, m.Execute(rid=call_id, job_id=job.job_id, call=replica))
+            replicas[job.job_id] = 0
+        if job.weights is not None and replicas[job.job_id] != job.weights.weight_version:
+            call_id = next(self._call_ids)
+            self._replica_calls[call_id] = (worker_id, job.job_id)
+            self._send(ident, m.Execute(rid=call_id, job_id=job.job_id, call=job.weights))
+            replicas[job.job_id] = job.weights.weight_version
+
+    def _replica_call_done(self, worker_id: str, msg: m.CallDone | m.ErrorReply) -> None:
+        """A replica's open or new weights finished on a rollout worker. If it failed, the worker is
+        sent them again before the job's next turn there (the turn sent behind it fails with the
+        worker's error, which its caller hears)."""
+        replica_of = self._replica_calls.pop(msg.rid)
+        if isinstance(msg, m.ErrorReply):
+            log.error("worker %s could not take job %s's replica or weights: %s", worker_id, replica_of[1], msg.message)
+            self._replicas[worker_id].pop(replica_of[1], None)
+            if replica_of[1] not in self._jobs:
+                return
+            self._close_unawaited(worker_id, replica_of[1])
+
+    def _keep_weights(self, job: _JobRecord, result: calls.Result) -> calls.Result:
+        """A pooled job's sync_weights or load exported its weights: kept for its rollout workers
+        (``_replicate``), not passed on to the client."""
+        match result:
+            case (
+                calls.Synced(weight_version=version, tensors=tensors)
+                | calls.Loaded(weight_version=version, tensors=tensors)
+            ) if tensors is not None:
+                job.weights = calls.SetWeights(weight_version=version, tensors=tensors)
+                return msgspec.structs.replace(result, tensors=None)
+        return result
+
+    def _settle_move(self, worker_id: str) -> None:
+        """Finish a ``MoveWorker`` once nothing of the old role runs there: a worker leaving
+        rollout waits for its running turns (its homes' trainer calls never wait). On CPU the
+        switch itself is free (vLLM has no sleep mode there); what the move took is the wait."""
+        rec = self._workers.get(worker_id)
+        if rec is None or rec.moving is None:
+            return
+        role, since = rec.moving
+        if role == "train" and "generate" in self._scheduler.running_on(worker_id):
+            return
+        rec.moving = None
+        rec.role_moves += 1
+        self._apply(ev.WorkerRole(worker_id, role, seconds=max(self._now() - since, 1e-3)))
+
     def _close_unawaited(self, worker_id: str, job_id: str) -> None:
         """Free what a worker holds of a job nobody can use any more; its answer is dropped."""
         close = m.Execute(rid=next(self._call_ids), job_id=job_id, call=calls.Close())
@@ -799,12 +906,16 @@ class Coordinator:
                 rec.worker_id = worker_id
                 call = rec.call
                 job = self._jobs.get(rec.job_id)
-                if job is not None and job.sampler_id and isinstance(call, calls.SyncWeights):
-                    call = calls.SyncWeights(export=True)  # its sampler worker gets the weights next
-                elif job is not None and job.sampler_id and isinstance(call, calls.Load):
-                    call = calls.Load(path=call.path, export=True)
-                elif job is not None and job.recoverable and isinstance(call, calls.OptimStep | calls.Load):
+                # A disaggregated job's sampler worker, or a pooled job's rollout workers, get the weights next.
+                export = job is not None and (bool(job.sampler_id) or job.pooled)
+                if export and isinstance(call, calls.SyncWeights):
+                    call = calls.SyncWeights(export=True)
+                if export and isinstance(call, calls.Load):
+                    call = msgspec.structs.replace(call, export=True)
+                if job is not None and job.recoverable and isinstance(call, calls.OptimStep | calls.Load):
                     call = msgspec.structs.replace(call, snapshot=True)  # kept here: _commit
+                if job is not None and job.pooled and isinstance(call, calls.Generate) and worker_id != job.worker_id:
+                    self._replicate(job, worker_id)
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
                 self._send(self._workers[worker_id].ident, execute)
             case ev.Fail(job_id, call_id, error):
@@ -825,6 +936,10 @@ class Coordinator:
                 move_id = next(self._move_ids)
                 self._moves[move_id] = (worker_id, job_id)
                 self._send(self._workers[worker_id].ident, m.MoveState(rid=move_id, job_id=job_id, to=to))
+            case ev.MoveWorker(worker_id, role):
+                log.info("worker %s moves to %s", worker_id, role)
+                self._workers[worker_id].moving = (role, self._now())
+                self._settle_move(worker_id)
 
     def _lose_worker(self, rec: _WorkerRecord, reason: str) -> None:
         log.warning("worker %s (%s) lost: %s", rec.worker_id, rec.info.name, reason)
@@ -833,7 +948,13 @@ class Coordinator:
         for move_id in [k for k, (w, _) in self._moves.items() if w == rec.worker_id]:
             del self._moves[move_id]  # the scheduler forgets the transfer with the worker
         held = [j for j in self._jobs.values() if rec.worker_id in (j.worker_id, j.sampler_id)]
+        self._replicas.pop(rec.worker_id, None)
+        for call_id in [c for c, (w, _) in self._replica_calls.items() if w == rec.worker_id]:
+            del self._replica_calls[call_id]
         self._apply(ev.WorkerLost(rec.worker_id, reason))
+        for call in self._calls.values():
+            if call.worker_id == rec.worker_id:  # a pooled job's turn, queued again for another rollout worker
+                call.worker_id = None
         for job in held:
             if rec.worker_id in (job.worker_id, job.sampler_id):  # not moved elsewhere (_recover)
                 self._mark_lost(job)
@@ -892,6 +1013,7 @@ class Coordinator:
         def visible(j: _JobRecord) -> bool:
             return asker.admin or j.owner == asker.tenant
 
+        roles = {w.worker_id: w for w in self._scheduler.workers()}
         workers = [
             m.WorkerInfo(
                 worker_id=w.worker_id,
@@ -904,6 +1026,9 @@ class Coordinator:
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
                 pid=w.info.pid,
                 state_bytes_on_device=self._scheduler.used_bytes(w.worker_id),
+                role=roles[w.worker_id].role,
+                bucket=roles[w.worker_id].bucket,
+                role_moves=w.role_moves,
             )
             for w in self._workers.values()
         ]
@@ -947,6 +1072,10 @@ def _redacted(j: _JobRecord) -> m.JobInfo:
     """Another tenant's job as ``plexrl status`` shows it: where it runs and its state, nothing else."""
     return m.JobInfo(job_id="", name="", owner="", worker_id=j.worker_id, queued=0, running=False, calls_done=0,
                      state=j.state)  # fmt: skip
+
+
+def _signals(turn: m.TurnOf) -> ev.TurnSignals:
+    return ev.TurnSignals(turn.turn, turn.tool_errors, turn.retries, turn.tokens, turn.token_budget)
 
 
 def _validate(call: calls.Call) -> None:

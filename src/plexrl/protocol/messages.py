@@ -78,10 +78,24 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
     name: str
     spec: JobSpec
     weight: float = 1.0  # the job's share of accelerator time relative to other jobs (plex policy)
-    placement: str = "colocated"  # or "disaggregated": generates on another worker than training
+    # or "disaggregated" (generates on another worker than training), or "pooled" (generates on
+    # the rollout workers, each turn routed by its trajectory's signals; Libra)
+    placement: str = "colocated"
     # The client's random name for this opening: after a coordinator restart it finds the job
     # (if the opening finished before the crash) with ``Reattach(token=)``, else opens it again.
     token: str = ""
+
+
+class TurnOf(msgspec.Struct, frozen=True):
+    """A generate that is a turn of an agent's trajectory, and what the trajectory showed so far
+    at its tool boundaries: a pooled job's turns are routed by it (Libra's buckets)."""
+
+    trajectory: str  # the trajectory's name, unique within its job
+    turn: int = 0  # turns it already took
+    tool_errors: int = 0  # tool calls that failed
+    retries: int = 0  # tool calls it repeated
+    tokens: int = 0  # its tokens so far, sampled and observed
+    token_budget: int = 0  # its ``max_tokens`` (0: none)
 
 
 class Submit(Envelope, tag="submit", frozen=True):
@@ -92,6 +106,7 @@ class Submit(Envelope, tag="submit", frozen=True):
     # coordinator says up to which number its journal holds the job's calls. 0: the coordinator
     # numbers it.
     seq: int = 0
+    turn: TurnOf | None = None  # a generate that is a trajectory's turn
 
 
 class Cancel(Envelope, tag="cancel", frozen=True):
@@ -149,6 +164,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     busy_s: float
     pid: int = 0
     state_bytes_on_device: int = 0  # jobs' state resident on its device (at most its budget)
+    role: str = "both"  # what it serves now (a train worker the coordinator lent to rollout says "rollout")
+    bucket: int = 0
+    role_moves: int = 0  # times the coordinator moved it between training and rollout
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -194,6 +212,8 @@ class Register(Envelope, tag="register", frozen=True):
     pid: int
     slots: int = 1  # calls it runs at once (a vLLM sampler serves many jobs' generates together)
     trainer_slots: int = 0  # of those, calls other than generate (its trainer runs one at a time); 0 = slots
+    role: str = "both"  # "rollout": pooled jobs' turns only; "train": jobs' homes only (coordinator/events.ROLES)
+    bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

@@ -91,6 +91,8 @@ class WorkerConfig:
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
     credentials: auth.Credentials | None = None  # a worker key (CurveZMQ); None: an unauthenticated coordinator
     checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
+    role: str = "both"  # "rollout" | "train" | "both" (the coordinator's events.ROLES)
+    bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
 
 
 EXIT_HUNG = 75  # the exit status of a worker declared hung (EX_TEMPFAIL: a supervisor starts it again)
@@ -206,6 +208,8 @@ class Worker:
             pid=os.getpid(),
             slots=VLLM_SLOTS if self.config.sampler == "vllm" else 1,
             trainer_slots=1,  # every call but a vLLM generate runs on the main thread, one at a time
+            role=self.config.role,
+            bucket=self.config.bucket,
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
