@@ -32,31 +32,181 @@ reaches it, and ``convergence_speedup`` is the ratio of the mean time to the las
 beside the throughput gain: static's span over libra's busy device-seconds spread over all 48
 devices without a gap (what libra's work would take on a perfectly packed cluster).
 
-(a) Real (``--part real``): not built yet: pooled jobs do not run on real workers yet (the
-coordinator's server does not replicate adapters to rollout workers); the bench says so and
-prints no ``throughput_gain_real``.
+(a) Real (``--part real``, vLLM): two workers of one core each (one worker stands for one device),
+``--real-jobs`` LoRA GRPO jobs of the tiny model alternating between the long-tailed ``sum`` task
+(one turn, ten to hundreds of tokens) and the search agent (up to 4 turns; each ``<search>`` goes to
+BM25 behind Lognormal(``--real-tool-median``, ``--tool-sigma``) s of latency): ``--real-steps`` steps
+of ``--prompts`` x ``--group`` trajectories each, strictly on-policy (rollout, optimize,
+sync_weights). Three modes, each on a fresh cluster, ``--repeats`` repetitions after a warm-up:
 
-Ends with ``throughput_gain_sim=`` (mean over seeds, worst beside it) and
-``convergence_speedup=``.
+- static (the issue's baseline): worker 0 ``--role train`` holds every job's home, worker 1
+  ``--role rollout`` takes every turn (pooled jobs, arrival order: one bucket);
+- libra: the same, with ``--elastic``: worker 0 lends itself to rollout while no job of its has
+  training to do, and is taken back by the next ``forward_backward`` (buckets need more rollout
+  workers than two cores give: here only the elastic roles act);
+- colocated (a stronger baseline the issue does not name): both workers ``both``, a job's home
+  on each (fifo spreads them), each job rolling out and training on its own worker.
+
+Every sample is seeded by (repetition, job, step, trajectory, turn), so the modes do the same work;
+the table says whether every job sampled the same tokens in all modes (a digest). Reported per
+mode: trained samples per second (trajectories trained on over the span) and the mean time to a
+job's last step. The limit beside ``throughput_gain_real``: static's span over libra's if libra's
+rollout used both cores for all of static's rollout time (static's span minus half its rollout
+worker's busy time).
+
+Ends with ``throughput_gain_real=``, ``throughput_gain_sim=`` (means over repetitions, worst
+beside them) and ``convergence_speedup=`` (the real part's when it ran, else the simulated one's).
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
+import asyncio
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import marlaas  # bench/: its seeded agent rollouts and search API
+import numpy as np
+
+import plexrl
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
+from plexrl.models import TINY_MODEL
+from plexrl.rollout import completion
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, QWEN3, pooled_agent_job, tp_comm_s
 from plexrl.sim.driver import WorkerSpec
+from plexrl.tasks import get_task
 
 ROLLOUT, TRAIN = 40, 8
+
+
+# -- (a) real: two workers of one core each, the vLLM sampler ----------------------------------------
+
+REAL_MODES: dict[str, dict[str, Any]] = {
+    "static": {"roles": ["train", "rollout"], "elastic": False, "placement": "pooled"},
+    "libra": {"roles": ["train", "rollout"], "elastic": True, "placement": "pooled"},
+    "colocated": {"roles": ["both", "both"], "elastic": False, "placement": "colocated"},
+}
+
+
+@dataclass
+class RealJob:
+    """One job's run as its client saw it."""
+
+    name: str
+    start: float = 0.0
+    steps_done_s: list[float] = field(default_factory=list)  # since its start
+    trained: int = 0  # trajectories trained on
+    rewards: list[float] = field(default_factory=list)  # mean training reward per step
+    run: marlaas.Run | None = None  # its sampled tokens (digest) and lengths
+
+
+async def real_job(index: int, rep: int, args: Any, placement: str, t0: float) -> RealJob:
+    kind = marlaas.KINDS[index % 2]
+    task = get_task(kind)
+    spec = marlaas.Spec(index, kind, 4)
+    result = RealJob(spec.name, start=time.perf_counter() - t0, run=marlaas.Run(spec))
+    assert result.run is not None
+    rng = np.random.default_rng([rep, index])
+    lora, adamw = plexrl.LoRA(rank=spec.rank), plexrl.AdamW(lr=args.lr)
+    async with plexrl.job(spec.name, model=TINY_MODEL, lora=lora, optimizer=adamw, seed=1000 * rep + index,
+                          placement=placement) as job:  # fmt: skip
+        for step in range(args.real_steps):
+            problems, keys = task.sample(args.prompts, rng), (rep, index, step)
+            # Every sample a trajectory (a single-turn task's is one turn): one call each, so a rollout
+            # spreads over the workers that take turns.
+            trajs = await marlaas.trajectories(job, task, problems, args.group, keys, args, greedy=False)
+            for t in trajs:
+                result.run.sampled(len(t), [turn.tokens for turn in t.turns])
+            rewards = [
+                task.score(problems[i // args.group], completion(t, marlaas.TOKENIZER)) for i, t in enumerate(trajs)
+            ]
+            batch = plexrl.trajectory_batch(trajs, rewards, np.repeat(np.arange(len(problems)), args.group))
+            await job.optimize(batch, loss="grpo")
+            await job.sync_weights()
+            result.trained += len(batch.tokens)
+            result.rewards.append(float(np.mean(rewards)))
+            result.steps_done_s.append(time.perf_counter() - t0 - result.start)
+    return result
+
+
+@dataclass
+class RealRep:
+    jobs: list[RealJob]
+    span_s: float
+    rollout_busy_s: float  # the rollout worker's (worker 1's) busy seconds
+    moves: int  # role moves
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(j.trained for j in self.jobs) / self.span_s
+
+    @property
+    def to_last_step_s(self) -> float:
+        return statistics.mean(j.steps_done_s[-1] for j in self.jobs)
+
+
+async def real_mode(mode: str, args: Any) -> list[RealRep]:
+    conf = REAL_MODES[mode]
+    cluster = plexrl.local(workers=2, roles=conf["roles"], elastic=conf["elastic"], cpus_per_worker=1,
+                           sampler="vllm", max_num_seqs=args.max_num_seqs, move_prior_s=args.real_move_prior)  # fmt: skip
+    reps: list[RealRep] = []
+    async with cluster as client:
+        warm = argparse.Namespace(**{**vars(args), "real_steps": 1, "tool_median": 1e-3, "tool_sigma": 0.0})
+        await asyncio.gather(*(real_job(i, 99, warm, conf["placement"], time.perf_counter()) for i in range(2)))
+        for rep in range(args.repeats):
+            before = {w.name: w for w in (await client.status()).workers}
+            t0 = time.perf_counter()
+            jobs = list(await asyncio.gather(*(real_job(i, rep, args, conf["placement"], t0)
+                                               for i in range(args.real_jobs))))  # fmt: skip
+            span = time.perf_counter() - t0
+            after = {w.name: w for w in (await client.status()).workers}
+            busy = after["local-1"].busy_s - before["local-1"].busy_s
+            moves = sum(after[n].role_moves - before[n].role_moves for n in after)
+            reps.append(RealRep(jobs, span, busy, moves))
+            print(f"  {mode:9s} repetition {rep + 1}: {span:6.1f} s, {reps[-1].samples_per_s:5.2f} samples/s, "
+                  f"time to last step {reps[-1].to_last_step_s:5.1f} s, {moves} role moves", flush=True)  # fmt: skip
+    return reps
+
+
+def real_part(args: Any) -> tuple[list[float], list[float]]:
+    """Throughput gains and convergence speedups of libra over static, one per repetition."""
+    real = argparse.Namespace(**{**vars(args), "tool_median": args.real_tool_median})  # marlaas.SearchAPI's
+    rows = {mode: asyncio.run(real_mode(mode, real)) for mode in REAL_MODES}
+    for mode, reps in rows.items():
+        print(f"  {mode:9s}: {spread([r.samples_per_s for r in reps])} samples/s, time to last step "
+              f"{spread([r.to_last_step_s for r in reps], 1)} s, role moves {spread([r.moves for r in reps], 0)}")  # fmt: skip
+    digests = {
+        mode: [[j.run.digest.hexdigest() for j in r.jobs if j.run is not None] for r in reps]
+        for mode, reps in rows.items()
+    }
+    same = [digests["static"][i] == digests[m][i] for m in REAL_MODES for i in range(args.repeats)]
+    print(f"  every job sampled the same tokens in every mode: {sum(same)}/{len(same)} (mode, repetition) pairs")
+    static, libra, colocated = rows["static"], rows["libra"], rows["colocated"]
+    gain = [b.samples_per_s / a.samples_per_s for a, b in zip(static, libra, strict=True)]
+    speedup = [a.to_last_step_s / b.to_last_step_s for a, b in zip(static, libra, strict=True)]
+    limit = [a.span_s / (a.span_s - a.rollout_busy_s / 2) for a in static]
+    over_colocated = [b.samples_per_s / c.samples_per_s for b, c in zip(libra, colocated, strict=True)]
+    print(f"  throughput gain over static {spread(gain)} (limit {spread(limit)}: static's rollout time halved)")
+    print(f"  libra over colocated (each job on a worker of its own): {spread(over_colocated)}")
+    (Path(args.out) / "libra_real.json").write_text(json.dumps({
+        mode: [{"span_s": r.span_s, "samples_per_s": r.samples_per_s, "to_last_step_s": r.to_last_step_s,
+                "moves": r.moves, "rollout_busy_s": r.rollout_busy_s,
+                "jobs": [{"name": j.name, "steps_done_s": j.steps_done_s, "rewards": j.rewards} for j in r.jobs]}
+               for r in reps]
+        for mode, reps in rows.items()
+    }, indent=1))  # fmt: skip
+    return gain, speedup
 
 
 def spread(values: list[float], digits: int = 2) -> str:
@@ -145,11 +295,29 @@ def main() -> None:
     parser.add_argument("--tp-groups", type=int, default=2, help="straggler bucket workers")
     parser.add_argument("--model", choices=sorted(QWEN3), default="8B")
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
+    parser.add_argument("--real-jobs", type=int, default=2, help="(a) jobs, alternating sum and the search agent")
+    parser.add_argument("--real-steps", type=int, default=3, help="(a) GRPO steps per job")
+    parser.add_argument("--prompts", type=int, default=4, help="(a) problems per step")
+    parser.add_argument("--group", type=int, default=8, help="(a) trajectories per problem (a GRPO group)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--real-tool-median", type=float, default=1.0, help="(a) search latency's median, seconds")
+    parser.add_argument("--tool-sigma", type=float, default=0.7, help="(a) search latency's log-space spread")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="(a) vLLM: sequences decoded at once")
+    parser.add_argument("--real-move-prior", type=float, default=0.1, help="(a) a role move's cost before measured")
     parser.add_argument("--out", default="bench-out/libra")
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    finals: list[str] = []
     if args.part in ("real", "both"):
-        print("(a) real: not built yet (pooled jobs do not run on real workers yet); no throughput_gain_real")
+        print(f"(a) real, vLLM: {args.real_jobs} jobs (sum and the search agent, search latency Lognormal("
+              f"{args.real_tool_median:g}, {args.tool_sigma:g}) s), {args.real_steps} steps of {args.prompts} x "
+              f"{args.group} trajectories, on 2 workers of one core each; {args.repeats} repetitions", flush=True)  # fmt: skip
+        gain, speedup = real_part(args)
+        finals.append(f"throughput_gain_real={statistics.mean(gain):.2f} (worst {min(gain):.2f})")
+        finals.append(f"convergence_speedup={statistics.mean(speedup):.2f} [{min(speedup):.2f}-{max(speedup):.2f}] "
+                      "(real: the mean time to a job's last step, static over libra)")  # fmt: skip
     if args.part == "real":
+        print("\n".join(finals))
         return
     print(f"(b) simulated: {args.jobs} agentic LoRA GRPO jobs on Qwen3-{args.model}, {ROLLOUT + TRAIN} H200s; "
           f"{args.steps} steps of {args.rollouts} trajectories x {args.turns} turns of Lognormal({args.tokens:g}, "
@@ -174,11 +342,15 @@ def main() -> None:
     print(f"  throughput gain {spread(gain)} (limit {spread(limit)}: libra's busy device-seconds packed on all "
           f"{ROLLOUT + TRAIN} devices without a gap)")  # fmt: skip
     print(f"  of it, buckets alone (no worker lent): {spread(alone)}")
-    print(f"throughput_gain_sim={statistics.mean(gain):.2f} (worst {min(gain):.2f})")
-    print(
-        f"convergence_speedup={statistics.mean(speedup):.2f} (worst {min(speedup):.2f}; simulated, "
-        "from the time to the last step: equal samples per step in both modes)"
-    )
+    finals.insert(min(1, len(finals)), f"throughput_gain_sim={statistics.mean(gain):.2f} (worst {min(gain):.2f})")
+    if not any(f.startswith("convergence_speedup=") for f in finals):
+        finals.append(
+            f"convergence_speedup={statistics.mean(speedup):.2f} [{min(speedup):.2f}-{max(speedup):.2f}] (simulated, "
+            "from the time to the last step: equal samples per step in both modes)"
+        )
+    else:
+        print(f"  simulated convergence speedup {spread(speedup)} (time to the last step)")
+    print("\n".join(finals))
 
 
 if __name__ == "__main__":
