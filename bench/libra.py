@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
     parser.add_argument("--real-jobs", type=int, default=2, help="(a) jobs, alternating sum and the search agent")
     parser.add_argument("--real-steps", type=int, default=3, help="(a) GRPO steps per job")
-    parser.add_argument("--prompts", type=int, default=4, help="(a) problems per step")
+    parser.add_argument("--prompts", type=int, default=16, help="(a) problems per step")
     parser.add_argument("--group", type=int, default=8, help="(a) trajectories per problem (a GRPO group)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--real-tool-median", type=float, default=1.0, help="(a) search latency's median, seconds")

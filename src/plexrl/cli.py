@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket",
-        type=int,
+        type=_level,
         default=0,
         help="a rollout worker's bucket: the lowest trajectory level it serves (Libra; 0 serves every level "
         "without a bucket of its own; give larger-batch or faster workers higher buckets for long trajectories)",
@@ -220,6 +220,12 @@ def _policy(p: argparse.ArgumentParser) -> None:
         help="scheduling policy: fifo (share workers, oldest call first), dedicated (one job per worker), "
         "plex (multiplex jobs: pack devices, resident state first, fair share, swaps only when they pay)",
     )
+
+
+def _level(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a bucket is a trajectory level, an integer >= 0")
+    return int(text)
 
 
 def _seconds_list(text: str) -> tuple[float, ...]:

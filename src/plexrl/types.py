@@ -145,6 +145,10 @@ class Batch(msgspec.Struct, frozen=True):
     # it (sampled) and 0 where it does not (observations a tool returned); None = every token.
     loss_mask: Ragged | None = None  # int8
     token_versions: Ragged | None = None  # int64 per completion token: its weight version, -1 if not sampled
+    # Per completion token (Tinker's datums, ``plexrl.gateway``): each token's loss is multiplied by
+    # its weight (0: left out); each token's advantage is used instead of its row's ``advantages_B``.
+    token_weights: Ragged | None = None  # float32
+    token_advantages: Ragged | None = None  # float32
 
     @classmethod
     def from_samples(
@@ -180,19 +184,23 @@ class Batch(msgspec.Struct, frozen=True):
             raise BatchShapeError(f"prompt_lens_B has shape {p.shape}, expected ({n},): one per sample")
         if np.any(p < 1) or np.any(p >= lens):
             raise BatchShapeError("each sample needs 1 <= prompt_len < len(tokens): at least one completion token")
-        if loss != "cross_entropy" and (self.sampler_logprobs is None or self.advantages_B is None):
-            raise BatchShapeError(f"loss {loss!r} needs sampler_logprobs and advantages_B")
+        if loss != "cross_entropy" and (
+            self.sampler_logprobs is None or (self.advantages_B is None and self.token_advantages is None)
+        ):
+            raise BatchShapeError(f"loss {loss!r} needs sampler_logprobs and advantages_B (or token_advantages)")
         if self.sampler_logprobs is not None:
             self.sampler_logprobs.check("sampler_logprobs")
             if len(self.sampler_logprobs) != n or np.any(self.sampler_logprobs.lengths() != lens - p):
                 raise BatchShapeError("sampler_logprobs needs one value per completion token of each sample")
-        for name in ("loss_mask", "token_versions"):
+        for name in ("loss_mask", "token_versions", "token_weights", "token_advantages"):
             per_token: Ragged | None = getattr(self, name)
             if per_token is None:
                 continue
             per_token.check(name)
             if len(per_token) != n or np.any(per_token.lengths() != lens - p):
                 raise BatchShapeError(f"{name} needs one value per completion token of each sample")
+            if name in ("token_weights", "token_advantages") and not np.all(np.isfinite(per_token.values)):
+                raise BatchShapeError(f"{name} contains NaN or inf")
         if self.loss_mask is not None:
             if not np.all((self.loss_mask.values == 0) | (self.loss_mask.values == 1)):
                 raise BatchShapeError("loss_mask holds 1 (in the loss) or 0 (not) per completion token")

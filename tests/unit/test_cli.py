@@ -1,4 +1,4 @@
-"""The command line's own parsing: sizes for memory budgets."""
+"""The command line's own parsing: sizes for memory budgets, level-service seconds, worker roles."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from plexrl.cli import parse_bytes
+from plexrl.cli import _parser, _seconds_list, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -21,3 +21,20 @@ def test_sizes_parse_with_decimal_and_binary_units(text: str, expected: int) -> 
 def test_a_bad_size_says_how_to_write_one(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         parse_bytes(text)
+
+
+def test_level_service_seconds_parse_and_bad_ones_say_how_to_write_them() -> None:
+    args = _parser().parse_args(["coordinator", "--insecure", "--level-service", "1,4.5,20"])
+    assert args.level_service == (1.0, 4.5, 20.0)
+    for bad in ("4,1", "0,2", "a,b", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="2,8,32"):
+            _seconds_list(bad)
+
+
+def test_worker_roles_are_checked_by_the_command_line() -> None:
+    args = _parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--role", "rollout", "--bucket", "2"])
+    assert (args.role, args.bucket) == ("rollout", 2)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--role", "sampler"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--bucket", "-1"])

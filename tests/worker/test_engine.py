@@ -439,6 +439,55 @@ def test_per_token_fields_must_match_the_completion(change: dict[str, list[list[
         batch.validate("cross_entropy")
 
 
+def test_per_token_weights_and_advantages_weigh_each_tokens_loss(engine: Engine, tiny_model: Path) -> None:
+    """Tinker's datums: cross_entropy weighted per token is the weighted sum of the tokens' -logprob;
+    importance_sampling with per-token advantages is -sum(ratio * A) over the tokens."""
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    row = [1, 5, 6, 7, 8, 9]  # prompt [1]: five target tokens
+    own = run(engine, "a", Logprobs(Ragged.from_rows([row], "int32")), LogprobsResult).logprobs[0]
+    weights = np.array([0.0, 1.0, 2.0, 0.0, 0.5], np.float32)
+    tokens, prompt = Ragged.from_rows([row], "int32"), np.array([1], np.int32)
+    ce = Batch(tokens=tokens, prompt_lens_B=prompt, token_weights=Ragged.from_rows([weights], "float32"))
+    out = run(engine, "a", ForwardBackward(ce, loss="cross_entropy", forward_only=True, return_logprobs=True),
+              ForwardBackwardResult)  # fmt: skip
+    assert out.loss_sum == pytest.approx(float(-(weights * own).sum()), rel=1e-5)
+    assert out.logprobs is not None
+    np.testing.assert_allclose(out.logprobs[0], own, rtol=0, atol=1e-5)  # the trainer's, per target token
+    advantages = np.array([1.0, -2.0, 0.0, 0.5, 3.0], np.float32)
+    sampled = own - 0.1  # the sampler's: every ratio is e^0.1
+    is_batch = Batch(tokens=tokens, prompt_lens_B=prompt, sampler_logprobs=Ragged.from_rows([sampled], "float32"),
+                     token_advantages=Ragged.from_rows([advantages], "float32"))  # fmt: skip
+    out = run(engine, "a", ForwardBackward(is_batch, loss="importance_sampling", forward_only=True),
+              ForwardBackwardResult)  # fmt: skip
+    assert out.loss_sum == pytest.approx(float(-(np.exp(0.1) * advantages).sum()), rel=1e-4)
+
+
+def test_forward_only_accumulates_nothing_and_sum_reduction_steps_on_the_summed_loss(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A forward-only call leaves no gradient (the step after it fails); a ``sum`` step with lr
+    scaled down by the token count moves the weights as a ``mean`` step does (Adam is scale-free up
+    to eps, so the same update needs the same direction, not the same lr); a step's own AdamW
+    settings override the job's."""
+    engine = Engine()
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    engine.execute("a", ForwardBackward(ce_batch(), loss="cross_entropy", forward_only=True))
+    with pytest.raises(CallFailedError, match="no accumulated gradients"):
+        engine.execute("a", OptimStep())
+    after: dict[str, dict[str, np.ndarray]] = {}
+    for job, step in (("mean", OptimStep()), ("sum", OptimStep(reduction="sum")),
+                      ("slow", OptimStep(adam=AdamW(lr=FAST.lr / 100, grad_clip=None)))):  # fmt: skip
+        engine.execute(job, Open(lora_spec(tiny_model, seed=1)))
+        engine.execute(job, ForwardBackward(ce_batch(), loss="cross_entropy"))
+        engine.execute(job, step)
+        after[job] = saved_weights(engine, job, tmp_path / job)
+    moved = {job: sum(float(np.abs(w[k] - after["mean"][k]).max()) for k in w) for job, w in after.items()}
+    assert moved["sum"] < 1e-4  # Adam normalises the gradient's scale away (grad_clip off the path here)
+    assert moved["slow"] > 1e-6  # its own lr made a different step
+    with pytest.raises(InvalidRequestError, match="reduction"):
+        engine.execute("a", OptimStep(reduction="max"))
+
+
 # -- weight versions ----------------------------------------------------------------------------
 
 

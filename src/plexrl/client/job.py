@@ -22,7 +22,7 @@ import numpy as np
 
 from plexrl.client.connection import Client, current_client
 from plexrl.client.trajectory import Trajectory
-from plexrl.errors import JobClosedError, NoJobContextError, PlexError, UnknownJobError
+from plexrl.errors import InvalidRequestError, JobClosedError, NoJobContextError, PlexError, UnknownJobError
 from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo, TurnOf
 from plexrl.rollout.pipeline import Reward, Rollout
@@ -141,8 +141,22 @@ class Job:
         call = calls.ForwardBackward(batch=batch, loss=loss, loss_config=loss_config or LossConfig())
         return self._submit(call, calls.ForwardBackwardResult)
 
-    def optim_step(self) -> asyncio.Future[calls.OptimStepResult]:
-        return self._submit(calls.OptimStep(), calls.OptimStepResult)
+    def forward(
+        self, batch: Batch, loss: str = "cross_entropy", loss_config: LossConfig | None = None
+    ) -> asyncio.Future[calls.ForwardBackwardResult]:
+        """The loss on ``batch`` and each completion token's logprob (``result.logprobs``) under the
+        trainer's weights, accumulating no gradient."""
+        batch.validate(loss)
+        call = calls.ForwardBackward(batch=batch, loss=loss, loss_config=loss_config or LossConfig(),
+                                     forward_only=True, return_logprobs=True)  # fmt: skip
+        return self._submit(call, calls.ForwardBackwardResult)
+
+    def optim_step(self, adam: AdamW | None = None, reduction: str = "mean") -> asyncio.Future[calls.OptimStepResult]:
+        """Apply the gradients accumulated since the last step: of the mean loss over their tokens, or
+        (``reduction="sum"``) of the summed loss; with the job's AdamW, or ``adam``'s for this step."""
+        if reduction not in ("mean", "sum"):
+            raise InvalidRequestError(f"optim_step reduction {reduction!r}: choose mean or sum")
+        return self._submit(calls.OptimStep(adam=adam, reduction=reduction), calls.OptimStepResult)
 
     async def optimize(self, batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None) -> Optimized:
         """``forward_backward`` then ``optim_step``, both submitted before either is awaited."""

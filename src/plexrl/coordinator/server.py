@@ -227,6 +227,7 @@ class Coordinator:
         # Rollout workers' replicas of pooled jobs: worker -> job -> the weight version it serves.
         self._replicas: dict[str, dict[str, int]] = collections.defaultdict(dict)
         self._replica_calls: dict[int, tuple[str, str]] = {}  # call id -> (worker, job) of a replica's open or weights
+        self._unawaited: set[int] = set()  # closes of leftover state whose answers nobody waits for
         self._stopping = asyncio.Event()
         self._pump: Pump | None = None
         self._allowlist = None if config.keys is None else auth.Allowlist(config.keys)
@@ -692,6 +693,10 @@ class Coordinator:
         if msg.rid in self._replica_calls:
             self._replica_call_done(worker_id, msg)
             return
+        if msg.rid in self._unawaited:
+            self._unawaited.discard(msg.rid)
+            log.debug("worker %s closed a job's leftover state (call %d): %s", worker_id, msg.rid, type(msg).__name__)
+            return
         rec = self._calls.get(msg.rid)
         if rec is None or rec.worker_id != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
@@ -756,6 +761,8 @@ class Coordinator:
                 ) if snapshot is not None:
                     job.snapshot, job.replay = snapshot, []
                     result = msgspec.structs.replace(result, snapshot=None)
+                case calls.ForwardBackward(forward_only=True), _:
+                    pass  # changed nothing: nothing to replay
                 case calls.ForwardBackward() | calls.SyncWeights(), _:
                     job.replay.append(call)
                     replayed = call
@@ -874,8 +881,9 @@ class Coordinator:
 
     def _close_unawaited(self, worker_id: str, job_id: str) -> None:
         """Free what a worker holds of a job nobody can use any more; its answer is dropped."""
-        close = m.Execute(rid=next(self._call_ids), job_id=job_id, call=calls.Close())
-        self._send(self._workers[worker_id].ident, close)
+        call_id = next(self._call_ids)
+        self._unawaited.add(call_id)
+        self._send(self._workers[worker_id].ident, m.Execute(rid=call_id, job_id=job_id, call=calls.Close()))
 
     def _on_state_moved(self, worker_id: str | None, msg: m.StateMoved) -> None:
         move = self._moves.get(msg.rid)
@@ -968,6 +976,8 @@ class Coordinator:
         else:
             log.warning("job %s waits for a worker that can take it", job.job_id)
         job.worker_id = worker_id
+        if worker_id and self._replicas[worker_id].pop(job.job_id, None) is not None:
+            self._close_unawaited(worker_id, job.job_id)  # a pooled job's replica there (lent): its home now
         for rec in self._calls.values():
             if rec.job_id == job.job_id:
                 rec.worker_id = None  # not running anywhere now; dispatched again on the new home

@@ -66,10 +66,17 @@ class ForwardBackward(msgspec.Struct, tag="forward_backward", frozen=True):
     batch: Batch
     loss: str = "grpo"
     loss_config: LossConfig = LossConfig()
+    forward_only: bool = False  # compute the loss and logprobs, accumulate no gradient
+    return_logprobs: bool = False  # the result carries each completion token's logprob under the trainer
 
 
 class OptimStep(msgspec.Struct, tag="optim_step", frozen=True):
     snapshot: bool = False  # also return the job's Snapshot after the step (set by the coordinator)
+    # This step's AdamW settings instead of the job's (Tinker sends them with every step); None: the job's.
+    adam: AdamW | None = None
+    # "mean": the gradient of the mean loss over the tokens accumulated since the last step (plexrl's);
+    # "sum": of their summed loss (Tinker's losses are sums).
+    reduction: str = "mean"
 
 
 class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
@@ -164,9 +171,11 @@ class LogprobsResult(msgspec.Struct, tag="logprobs_result", frozen=True):
 
 
 class ForwardBackwardResult(msgspec.Struct, tag="forward_backward_result", frozen=True):
-    loss: float
+    loss: float  # the mean over the tokens in the loss (``loss_sum / num_tokens``)
     num_tokens: int
     metrics: dict[str, float] = {}
+    loss_sum: float = 0.0
+    logprobs: Ragged | None = None  # with ``return_logprobs``: per completion token, float32
 
 
 class OptimStepResult(msgspec.Struct, tag="optim_step_result", frozen=True):

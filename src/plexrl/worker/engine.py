@@ -117,10 +117,10 @@ class Engine:
                 return job.generate(prompts, params)
             case Logprobs(tokens=tokens):
                 return job.logprobs(tokens)
-            case ForwardBackward(batch=batch, loss=loss, loss_config=config):
-                return job.forward_backward(batch, loss, config)
-            case OptimStep(snapshot=snapshot):
-                return job.optim_step(snapshot)
+            case ForwardBackward(batch=batch, loss=loss, loss_config=config, forward_only=only, return_logprobs=lps):
+                return job.forward_backward(batch, loss, config, forward_only=only, return_logprobs=lps)
+            case OptimStep(snapshot=snapshot, adam=adam, reduction=reduction):
+                return job.optim_step(snapshot, adam, reduction)
             case SyncWeights(export=export):
                 return job.sync_weights(export)
             case SetWeights(weight_version=version, tensors=tensors):

@@ -77,7 +77,12 @@ class Weights(Protocol):
 
 def check_spec(spec: JobSpec) -> None:
     """Raise ``InvalidRequestError`` unless the optimizer settings are usable."""
-    o = spec.optimizer
+    check_adamw(spec.optimizer)
+    if spec.max_staleness < 0:
+        raise InvalidRequestError(f"max_staleness={spec.max_staleness} must be >= 0 (0 = strictly on-policy)")
+
+
+def check_adamw(o: AdamW) -> None:
     problems = []
     if not (o.lr > 0 and math.isfinite(o.lr)):
         problems.append(f"lr={o.lr} must be a finite number > 0")
@@ -91,8 +96,6 @@ def check_spec(spec: JobSpec) -> None:
         problems.append(f"grad_clip={o.grad_clip} must be > 0, or None for no clipping")
     if problems:
         raise InvalidRequestError("invalid AdamW: " + "; ".join(problems))
-    if spec.max_staleness < 0:
-        raise InvalidRequestError(f"max_staleness={spec.max_staleness} must be >= 0 (0 = strictly on-policy)")
 
 
 class WorkerJob:
@@ -197,7 +200,11 @@ class WorkerJob:
         np.cumsum(tokens.lengths() - 1, out=offsets[1:])
         return LogprobsResult(logprobs=Ragged(values=values, offsets=offsets))
 
-    def forward_backward(self, batch: Batch, loss: str, config: LossConfig) -> ForwardBackwardResult:
+    def forward_backward(
+        self, batch: Batch, loss: str, config: LossConfig, forward_only: bool = False, return_logprobs: bool = False
+    ) -> ForwardBackwardResult:
+        """Accumulate the gradient of ``loss`` on ``batch`` (``forward_only``: only compute it);
+        ``return_logprobs``: also return each completion token's logprob under the trainer."""
         batch.validate(loss)
         check_loss_config(config)
         self.base.check_tokens(batch.tokens, "batch.tokens", min_len=2)
@@ -222,6 +229,13 @@ class WorkerJob:
             )
         if batch.advantages_B is not None:
             advantages_B = torch.from_numpy(batch.advantages_B.astype(np.float32)).to(device)
+        per_token = {}  # Tinker's per-token weights and advantages, laid out like the targets
+        for name in ("token_weights", "token_advantages"):
+            values: Ragged | None = getattr(batch, name)
+            if values is not None:
+                per_token[name] = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device)
+                per_token[name][completion_B_T1] = torch.from_numpy(values.values.astype(np.float32)).to(device)
+        token_weights_B_T1, token_advantages_B_T1 = per_token.get("token_weights"), per_token.get("token_advantages")
         # Rows of similar length together, each group padded to its own longest row (a long-tailed
         # batch padded to its longest row computes mostly padding); one backward over all groups.
         lengths = batch.tokens.lengths()
@@ -233,23 +247,40 @@ class WorkerJob:
                              for r, n in groups]  # fmt: skip
         model = self.weights.trainer_model(train=True)
         outs = []
-        for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
-            self.progress.tick()
-            logp = _forward_logp(model, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
-            sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
-            advantages = None if advantages_B is None else advantages_B[r]
-            outs.append(compute_loss(loss, logp, mask_B_T1[r, : n - 1], config, sampler_logp, advantages, ref_logp))
+        logp_B_T1 = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device) if return_logprobs else None
+        with torch.enable_grad() if not forward_only else torch.no_grad():
+            for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
+                self.progress.tick()
+                logp = _forward_logp(model, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
+                if logp_B_T1 is not None:
+                    logp_B_T1[r, : n - 1] = logp.detach().float()
+                sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
+                advantages = None if advantages_B is None else advantages_B[r]
+                if token_advantages_B_T1 is not None:
+                    advantages = token_advantages_B_T1[r, : n - 1]
+                weights = None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1]
+                mask = mask_B_T1[r, : n - 1]
+                outs.append(compute_loss(loss, logp, mask, config, sampler_logp, advantages, ref_logp, weights))
         out = _combined(outs)
         if not torch.isfinite(out.loss_sum):
             raise CallFailedError(
                 f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
                 "Check the batch's sampler_logprobs and advantages"
             )
-        out.loss_sum.backward()
+        if not forward_only:
+            out.loss_sum.backward()
+            self.pending_tokens += out.num_tokens
         self.progress.tick()
-        self.pending_tokens += out.num_tokens
         metrics = out.metrics if staleness is None else {**out.metrics, **staleness}
-        return ForwardBackwardResult(loss=out.loss_mean, num_tokens=out.num_tokens, metrics=metrics)
+        logprobs = None
+        if logp_B_T1 is not None:
+            offsets = np.zeros(len(batch.tokens) + 1, dtype=np.int64)
+            np.cumsum(batch.tokens.lengths() - batch.prompt_lens_B, out=offsets[1:])
+            logprobs = Ragged(values=logp_B_T1[completion_B_T1].cpu().numpy().astype(np.float32), offsets=offsets)
+        return ForwardBackwardResult(
+            loss=out.loss_mean, num_tokens=out.num_tokens, metrics=metrics, loss_sum=float(out.loss_sum.detach()),
+            logprobs=logprobs,
+        )  # fmt: skip
 
     def _check_staleness(self, batch: Batch) -> dict[str, float] | None:
         """Refuse samples older than ``max_staleness`` versions (0: only the current weights'), and
@@ -279,14 +310,21 @@ class WorkerJob:
             )
         return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
-    def optim_step(self, snapshot: bool = False) -> OptimStepResult:
+    def optim_step(self, snapshot: bool = False, adam: AdamW | None = None, reduction: str = "mean") -> OptimStepResult:
+        """Apply the accumulated gradient (of the mean loss over its tokens, or with ``reduction="sum"``
+        of their summed loss) with the job's AdamW, or ``adam``'s settings for this step."""
+        if reduction not in ("mean", "sum"):
+            raise InvalidRequestError(f"optim_step reduction {reduction!r}: choose mean or sum")
+        if adam is not None:
+            check_adamw(adam)
         if self.pending_tokens == 0:
             raise CallFailedError("optim_step with no accumulated gradients: call forward_backward first")
         params = [p for p in self.weights.trainer_params.values() if p.grad is not None]
         grads = [g for g in (p.grad for p in params) if g is not None]
-        with torch.no_grad():
-            for g in grads:
-                g.div_(self.pending_tokens)
+        if reduction == "mean":
+            with torch.no_grad():
+                for g in grads:
+                    g.div_(self.pending_tokens)
         total_norm = torch.nn.utils.get_total_norm(grads)
         grad_norm = float(total_norm)
         if not math.isfinite(grad_norm):
@@ -295,9 +333,13 @@ class WorkerJob:
                 f"gradient norm is {grad_norm}: the step was not applied and the accumulated gradients "
                 "were discarded; lower the learning rate or check the batch's advantages"
             )
-        clip = self.spec.optimizer.grad_clip
+        settings = adam or self.spec.optimizer
+        clip = settings.grad_clip
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(params, clip, total_norm)
+        if adam is not None:
+            for group in self.optimizer.param_groups:
+                group.update(_optimizer_settings(adam))
         self.optimizer.step()
         self.progress.tick()
         self._discard_gradients()

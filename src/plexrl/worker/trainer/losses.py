@@ -72,12 +72,14 @@ def compute_loss(
     sampler_logp_B_T: Tensor | None = None,
     advantages_B: Tensor | None = None,
     ref_logp_B_T: Tensor | None = None,
+    weights_B_T: Tensor | None = None,
 ) -> LossOutput:
     """The summed loss named ``loss`` over the tokens where ``mask_B_T`` is true.
 
     ``logp_B_T`` are the trainer's logprobs of the target tokens (differentiable);
     ``sampler_logp_B_T`` the sampler's, aligned with them; ``ref_logp_B_T`` the reference
-    model's, needed only for ``grpo`` with ``kl_coef > 0``.
+    model's, needed only for ``grpo`` with ``kl_coef > 0``. ``advantages_B`` are per row, or per
+    token (``[B, T]``); ``weights_B_T`` multiply each token's loss.
     """
     if loss not in LOSSES:
         raise InvalidRequestError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
@@ -100,7 +102,8 @@ def compute_loss(
             metrics["is_truncated_frac"] = _masked_mean((behave_B_T > config.is_cap).float(), mask_B_T)
         else:
             ratio_B_T = torch.exp(logp_B_T - sampler_logp_B_T)
-        A_B_T = advantages_B.to(ratio_B_T.dtype).unsqueeze(-1).expand_as(ratio_B_T)
+        A_B_T = advantages_B.to(ratio_B_T.dtype)
+        A_B_T = A_B_T.unsqueeze(-1).expand_as(ratio_B_T) if A_B_T.dim() == 1 else A_B_T
         metrics["ratio_mean"] = _masked_mean(ratio_B_T.detach(), mask_B_T)
         if loss == "importance_sampling":
             per_token_B_T = -ratio_B_T * A_B_T
@@ -119,6 +122,8 @@ def compute_loss(
                 per_token_B_T = per_token_B_T + config.kl_coef * k3_B_T
                 metrics["kl"] = _masked_mean(k3_B_T.detach(), mask_B_T)
 
+    if weights_B_T is not None:
+        per_token_B_T = per_token_B_T * weights_B_T.to(per_token_B_T.dtype)
     # where() rather than multiply: a masked-out inf/nan (e.g. padding) must not poison the sum.
     loss_sum = torch.where(mask_B_T, per_token_B_T, torch.zeros_like(per_token_B_T)).sum()
     return LossOutput(loss_sum=loss_sum, num_tokens=num_tokens, metrics=metrics)
