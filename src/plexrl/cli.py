@@ -175,6 +175,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _common(p)
 
+    p = sub.add_parser("tinker", help="serve the Tinker SDK's HTTP API onto a coordinator (needs plexrl[tinker])")
+    p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
+    p.add_argument(
+        "--bind", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (TINKER_BASE_URL=http://HOST:PORT)"
+    )
+    _credentials(p, "client")
+    _common(p)
+
     p = sub.add_parser("local", help="run an embedded coordinator and workers until Ctrl-C")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", type=_device, default="cpu")
@@ -270,6 +278,8 @@ def _run(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.command == "local":
         return asyncio.run(_local(args))
+    if args.command == "tinker":
+        return _tinker(args)
     if args.command == "status":
         return asyncio.run(_status(args))
     raise AssertionError(args.command)
@@ -349,6 +359,19 @@ def _worker(args: argparse.Namespace) -> int:
         **({"checkpoint_root": args.checkpoint_root} if args.checkpoint_root else {}),
     )
     run_worker(config)
+    return 0
+
+
+def _tinker(args: argparse.Namespace) -> int:
+    host, _, port = args.bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidRequestError(f"--bind {args.bind!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
+    try:
+        from plexrl.gateway import serve
+    except ImportError as e:
+        raise InvalidRequestError(f"the Tinker gateway needs its extra: pip install 'plexrl[tinker]' ({e})") from None
+    _die_with_parent(args.parent_pid)
+    asyncio.run(serve(args.coordinator, host, int(port), _load_credentials(args)))
     return 0
 
 
