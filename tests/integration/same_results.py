@@ -20,7 +20,8 @@ def assert_same_results(calm: list[object], faulted: list[object]) -> None:
             assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
             assert a.weight_version == b.weight_version
             np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)
-        elif hasattr(a, "logprobs"):  # the probe under the final weights
-            np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)  # type: ignore[attr-defined]
+        elif isinstance(a, plexrl.LogprobsResult):  # the probe under the final weights
+            assert isinstance(b, plexrl.LogprobsResult)
+            np.testing.assert_array_equal(a.logprobs.values, b.logprobs.values)
         else:
             assert a == b  # losses, steps, grad norms, versions
