@@ -1047,7 +1047,14 @@ def test_planted_bugs_in_buckets_and_roles_are_caught_by_the_invariants(
 ) -> None:
     PLANTED[bug](monkeypatch)
 
-    @settings(max_examples=3000, deadline=None, database=None, phases=[Phase.generate], report_multiple_bugs=False)
+    @settings(
+        max_examples=3000,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        report_multiple_bugs=False,
+    )
     @given(ops=st.lists(libra_op, min_size=30, max_size=80))
     def search(ops: list[tuple[str, int]]) -> None:
         check_invariants("plex", ops, rebalance=True)
