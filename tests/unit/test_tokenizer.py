@@ -9,7 +9,7 @@ from plexrl.models import TINY_CONFIG, TINY_MODEL, CharTokenizer, write_random_m
 from plexrl.models.tokenizer import EOS_TOKEN, VOCAB_SIZE, write_hf_tokenizer
 from plexrl.tasks import TASKS
 
-TEXTS = ["123+45=168", "rev:abc de=", " a  b ", "", "(1+2)*3/4-5:>,"]
+TEXTS = ["123+45=168", "rev:abc de=", " a  b ", "", "(1+2)*3/4-5:>,", "User: What is 4 + 5?\n\nAssistant: 9.\n\n"]
 
 
 def test_special_ids_and_vocabulary_match_the_model_config() -> None:
@@ -47,8 +47,8 @@ def test_every_id_decodes_and_unused_ones_are_visible() -> None:
 
 
 def test_an_unknown_character_is_named_in_the_error() -> None:
-    with pytest.raises(ValueError, match="'A'"):
-        CharTokenizer().encode("12A")
+    with pytest.raises(ValueError, match="'B'"):
+        CharTokenizer().encode("12B")
 
 
 def _hf_texts() -> list[str]:

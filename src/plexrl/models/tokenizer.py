@@ -16,9 +16,11 @@ BOS_TOKEN = "<bos>"
 EOS_TOKEN = "<eos>"  # how ``decode(..., stop_at_eos=False)`` renders EOS; task scoring cuts there
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2: TINY_CONFIG's pad, bos, eos
 
-# Every character the tasks use, ids 3.. in this order. Append only: reordering changes the ids
-# a trained model was made with.
-ALPHABET = "0123456789+-*/=:>(), abcdefghijklmnopqrstuvwxyz<\n"
+# Every character the tasks use, ids 3.. in this order, then (ids 52-58, appended after tiny-arith
+# was pretrained, so it never saw them) what chat renderers write around a question, such as the
+# Tinker cookbook's "User: What is 4 + 5?\n\nAssistant:". Append only: reordering changes the ids a
+# trained model was made with.
+ALPHABET = "0123456789+-*/=:>(), abcdefghijklmnopqrstuvwxyz<\n" + "?.ASTUW"
 VOCAB_SIZE = 64  # TINY_CONFIG's vocab_size; the ids after the alphabet are reserved tokens
 # A model samples from all VOCAB_SIZE ids, so the unused ones decode to visible (never rewarded) text.
 RESERVED_TOKENS = tuple(f"<unused{i}>" for i in range(len(SPECIAL_TOKENS) + len(ALPHABET), VOCAB_SIZE))
