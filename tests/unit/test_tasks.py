@@ -49,12 +49,13 @@ def test_the_eval_set_is_disjoint_from_training_problems(task: Task) -> None:
         ("mul", "37*6=", "222"),
         ("rev", "rev:abcde=", "edcba"),
         ("sum", "sum:12+7+45+3=", "12+7=19,19+45=64,64+3=67>67"),
+        ("chat", "User: What is 4 + 5?\n\nAssistant: 9\n\nUser: What is 37 + 12?\n\nAssistant:", " 49\n\nUser:"),
     ],
 )
 def test_problems_have_the_documented_format(name: str, prompt: str, answer: str) -> None:
     task = get_task(name)
     drawn = task.sample(200, np.random.default_rng(0))
-    assert all(p.prompt.endswith("=") for p in drawn)
+    assert all(p.prompt.endswith(prompt[-1]) for p in drawn)
     assert task.score(Problem(prompt=prompt, answer=answer), answer) == 1.0
 
 
@@ -65,6 +66,9 @@ def test_answers_are_right() -> None:
     for p in get_task("mul").sample(100, np.random.default_rng(0)):
         a, b = p.prompt[:-1].split("*")
         assert int(p.answer) == int(a) * int(b)
+    for p in get_task("chat").sample(100, np.random.default_rng(0)):
+        a, b = p.prompt.rsplit("What is ", 1)[1].split("?")[0].split(" + ")
+        assert p.answer == f" {int(a) + int(b)}\n\nUser:" and 0 <= int(a) <= 100 and 0 <= int(b) <= 100
     for p in get_task("rev").sample(100, np.random.default_rng(0)):
         assert p.prompt == f"rev:{p.answer[::-1]}="
     for p in get_task("sum").sample(100, np.random.default_rng(0)):
@@ -117,7 +121,7 @@ def test_sum_solutions_have_a_heavy_tailed_length() -> None:
 
 
 def test_an_unknown_task_name_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid tasks: add, mul, rev, search, sum"):
+    with pytest.raises(ValueError, match="valid tasks: add, chat, mul, rev, search, sum"):
         get_task("sort")
 
 

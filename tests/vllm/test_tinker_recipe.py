@@ -1,7 +1,9 @@
 """A real Tinker cookbook recipe, unmodified, through the gateway: two copies of
-``tinker_cookbook.recipes.math_rl.train env=arithmetic`` under different API keys at once, on one
-vLLM worker under ``plex``. Each must finish with its metrics and checkpoints written; their
-training clients must be two plexrl jobs, one per key, open at the same time on the one worker.
+``tinker_cookbook.recipes.math_rl.train env=arithmetic`` on ``tiny-arith-chat`` under different API
+keys at once, on one vLLM worker under ``plex``. Each must finish with its metrics and checkpoints
+written and well-formed replies (the renderer's stop sequence cut by the gateway) among its
+samples; their training clients must be two plexrl jobs, one per key, open at the same time on
+the one worker. And the ``chat`` task's prompts are exactly what the cookbook renders.
 
 Needs ``tinker-cookbook==0.6.1`` (installed ``--no-deps`` with its needs by name: noxfile.py) and vLLM.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,8 @@ from aiohttp import web
 import plexrl
 from plexrl.gateway.app import make_app
 from plexrl.gateway.service import Gateway
-from plexrl.models import TINY_MODEL
+from plexrl.models import TINY_CHAT_MODEL, CharTokenizer
+from plexrl.tasks import chat, get_task
 from plexrl.worker.sampler import vllm as vllm_sampler
 
 try:
@@ -44,7 +48,7 @@ RECIPE_TIMEOUT_S = 420  # a cold start of the cookbook's imports is ~10 s; two s
 def recipe_args(url: str, log_path: Path) -> list[str]:
     """The recipe's command line: small settings, the shipped model's directory, an explicit renderer."""
     return [
-        "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={TINY_MODEL}",
+        "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={TINY_CHAT_MODEL}",
         "renderer_name=role_colon", "loss_fn=importance_sampling", "lora_rank=4", "group_size=4",
         "groups_per_batch=2", "learning_rate=1e-2", "max_tokens=12", f"max_steps={STEPS}", "eval_every=0",
         "save_every=1", "behavior_if_log_dir_exists=delete", f"base_url={url}", f"log_path={log_path}",
@@ -103,8 +107,28 @@ async def test_two_cookbook_recipes_under_two_keys_share_one_worker_and_stay_apa
         steps = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         rewards = [s["env/all/reward/total"] for s in steps if "env/all/reward/total" in s]
         assert len(rewards) == STEPS and all(-1.0 <= r <= 1.0 for r in rewards), steps
+        assert max(s.get("env/all/format", 0.0) for s in steps) > 0, steps  # some replies end at "\n\nUser:"
         checkpoints = [json.loads(line) for line in (path / "checkpoints.jsonl").read_text().splitlines()]
         assert checkpoints[-1]["name"] == "final" and checkpoints[-1]["sampler_path"].startswith("tinker://")
     # One plexrl job per key (both open at once on the one worker): shared, and apart.
     assert set(jobs) == set(keys) and len(set(jobs.values())) == 2
     assert gateway.models == {} and gateway.sessions == {}  # both recipes finished their sessions
+
+
+def test_the_chat_tasks_prompts_are_what_the_cookbook_renders() -> None:
+    from tinker_cookbook import renderers
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    renderer = renderers.get_renderer("role_colon", tokenizer=get_tokenizer(TINY_CHAT_MODEL))
+    assert renderer.get_stop_sequences() == [chat.STOP]
+    for problem in get_task("chat").eval_set()[:20]:
+        match = re.search(r"What is (\d+) \+ (\d+)\?\n\nAssistant:$", problem.prompt)
+        assert match is not None, problem.prompt
+        question = {"role": "user", "content": f"What is {match[1]} + {match[2]}?"}
+        rendered = renderer.build_generation_prompt([*ArithmeticEnv.standard_fewshot_prefix(), question])
+        assert rendered.to_ints() == CharTokenizer().encode(problem.prompt)
+        env = ArithmeticEnv(int(match[1]), int(match[2]), renderer)
+        assert env.check_answer(
+            renderer.parse_response(CharTokenizer().encode(problem.answer, bos=False))[0]["content"]
+        )

@@ -1,6 +1,6 @@
 """Pretrain plexrl's shipped task model (``tiny-arith``) on synthetic problems to partial competence.
 
-    python -m plexrl.models.pretrain [--out DIR] [--steps N] [--seed S] [--lr LR]
+    python -m plexrl.models.pretrain [--out DIR] [--steps N] [--seed S] [--lr LR] [--tasks T,..] [--init DIR]
 
 A Qwen2 decoder with :data:`ARITH_CONFIG` learns the reference completions of a mixture of the
 tasks' training problems (cross-entropy on the learned pieces of each completion and EOS only;
@@ -15,6 +15,9 @@ At the end it reports the held-out greedy accuracy and the mean reward of temper
 per task (and, for ``sum``, accuracy by the number of terms and the length of its samples),
 saves the model (float32 safetensors), tokenizer files and a generation config, and writes
 ``MODEL_CARD.md`` with those numbers and the exact command.
+
+``--init DIR`` continues from a saved model instead of a fresh one: ``tiny-arith-chat`` is
+``tiny-arith`` taught the ``chat`` task (the Tinker cookbook's chat format) the same way.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Recipe:
     validation_size: int = 100  # per task, drawn from the training side and kept out of training
     tokens_per_micro_batch: int = 4096  # rows x padded length of one forward/backward
     tasks: tuple[str, ...] = ("add", "mul", "rev", "sum", "search")
+    init: str | None = None  # a model directory to continue from; None: a fresh model
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
+    parser.add_argument("--tasks", default=",".join(Recipe.tasks), help="the mixture, task names separated by commas")
+    parser.add_argument("--init", default=None, help="continue from this model directory (default: a fresh model)")
     args = parser.parse_args(argv)
-    recipe = Recipe(max_steps=args.steps, seed=args.seed, lr=args.lr)
+    tasks = tuple(args.tasks.split(","))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        parser.error(f"unknown tasks {unknown}; valid: {', '.join(TASKS)}")
+    recipe = Recipe(max_steps=args.steps, seed=args.seed, lr=args.lr, tasks=tasks, init=args.init)
 
     torch.set_num_threads(2)
     start = time.monotonic()
@@ -96,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(recipe: Recipe, start: float) -> tuple[Any, int]:
-    """A freshly initialised model trained by ``recipe`` and its step count; deterministic given the seed.
+    """A freshly initialised model (or ``recipe.init``'s) trained by ``recipe`` and its step count;
+    deterministic given the seed.
 
     Every ``check_every`` steps each task's validation greedy accuracy sets its problems per step
     until the next check: many below the band, a few in it, none above it (so an overshooting task
@@ -106,7 +117,10 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(recipe.seed)
-    model: Any = Qwen2ForCausalLM(Qwen2Config(**ARITH_CONFIG))
+    if recipe.init is None:
+        model: Any = Qwen2ForCausalLM(Qwen2Config(**ARITH_CONFIG))
+    else:
+        model = Qwen2ForCausalLM.from_pretrained(recipe.init, dtype=torch.float32)
     rng = np.random.default_rng(recipe.seed)
     tok = CharTokenizer()
     validation = {name: _validation_set(TASKS[name], recipe) for name in recipe.tasks}
@@ -364,7 +378,7 @@ def write_model_card(
     config = ", ".join(f"{k}={v}" for k, v in ARITH_CONFIG.items())
     tasks = ", ".join(f"`{name}`" for name in recipe.tasks)
     examples = "\n".join(
-        f"- `{name}`: `{TASKS[name].eval_set()[0].prompt}` -> `{TASKS[name].eval_set()[0].answer}`"
+        f"- `{name}`: `{_shown(TASKS[name].eval_set()[0].prompt)}` -> `{_shown(TASKS[name].eval_set()[0].answer)}`"
         for name in recipe.tasks
     )
     table = "\n".join(
@@ -375,9 +389,10 @@ def write_model_card(
         f"| {label} | {sum(n for n, _ in rows)} | {sum(n * a for n, a in rows) / sum(n for n, _ in rows):.3f} |"
         for label, rows in _term_buckets(scores).items()
     )
-    card = f"""# tiny-arith
+    start = "from scratch" if recipe.init is None else f"from `{Path(recipe.init).name}`"
+    card = f"""# {out.name}
 
-plexrl's shipped task model: a small Qwen2 decoder pretrained from scratch by
+A plexrl shipped task model: a small Qwen2 decoder pretrained {start} by
 `plexrl.models.pretrain` on synthetic problems of the tasks in `plexrl.tasks` ({tasks}),
 deliberately only to *partial* competence so that RL (GRPO) has held-out reward to gain.
 
@@ -433,6 +448,11 @@ most of all). Expect RL to raise reward quickly, especially on `rev`, and prefer
 when a run should show a gradual curve.
 """
     (out / "MODEL_CARD.md").write_text(card)
+
+
+def _shown(text: str) -> str:
+    """``text`` on one line of the card (a chat prompt's newlines as ``\\n``)."""
+    return text.replace("\n", "\\n")
 
 
 def _percentiles(lengths: list[int]) -> str:

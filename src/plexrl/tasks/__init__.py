@@ -4,16 +4,18 @@ Pure Python and numpy. ``get_task("add").sample(n, rng)`` gives training problem
 ``.eval_set()`` a disjoint held-out set, and ``.score(problem, completion)`` the reward.
 ``add``, ``mul`` and ``rev`` have answers of a few tokens; ``sum`` has worked solutions whose
 length is heavy-tailed (tens to hundreds of tokens), as reasoning traces are; ``search`` is a
-multi-turn agent's task (search a corpus with BM25, then answer; ``Task.respond`` is its environment).
+multi-turn agent's task (search a corpus with BM25, then answer; ``Task.respond`` is its environment);
+``chat`` is addition in the Tinker cookbook's chat format (``plexrl tinker`` recipes).
 """
 
 from plexrl.tasks._base import EVAL_SIZE, Problem, Task, is_held_out
 from plexrl.tasks.arithmetic import Add, Mul
+from plexrl.tasks.chat import ChatAdd
 from plexrl.tasks.reasoning import ChainSum
 from plexrl.tasks.search import SearchQA
 from plexrl.tasks.strings import Reverse
 
-TASKS: dict[str, Task] = {task.name: task for task in (Add(), Mul(), Reverse(), ChainSum(), SearchQA())}
+TASKS: dict[str, Task] = {task.name: task for task in (Add(), Mul(), Reverse(), ChainSum(), SearchQA(), ChatAdd())}
 
 
 def get_task(name: str) -> Task:
@@ -29,6 +31,7 @@ __all__ = [
     "TASKS",
     "Add",
     "ChainSum",
+    "ChatAdd",
     "Mul",
     "Problem",
     "Reverse",
