@@ -181,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--local", action="store_true", help="on an embedded cluster of --workers workers instead")
     p.add_argument("--workers", type=int, default=1, help="--local: how many workers")
     p.add_argument("--sampler", choices=["vllm", "hf"], default=None, help="--local: the workers' generation engine")
+    p.add_argument(
+        "--tenants",
+        default=None,
+        help='JSON map of API keys to client key files, {"tml-alice": "alice.key_secret"}: each key\'s jobs '
+        "are its own plexrl tenant's; others are refused (default: all on --key; --local issues one per key)",
+    )
     _policy(p)
     p.add_argument(
         "--bind", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (TINKER_BASE_URL=http://HOST:PORT)"
@@ -372,14 +378,22 @@ def _tinker(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         raise InvalidRequestError(f"--bind {args.bind!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
     try:
-        from plexrl.gateway import serve_coordinator, serve_local
+        from plexrl.gateway import serve_coordinator, serve_local, serve_tenants
     except ImportError as e:
         raise InvalidRequestError(f"the Tinker gateway needs its extra: pip install 'plexrl[tinker]' ({e})") from None
     _die_with_parent(args.parent_pid)
+    if args.local and args.tenants:
+        raise InvalidRequestError("--local issues a tenant key per API key itself: drop --tenants")
     if args.local:
         asyncio.run(serve_local(host, int(port), workers=args.workers, sampler=args.sampler, policy=args.policy))
-    else:
+    elif args.tenants is None:
         asyncio.run(serve_coordinator(args.coordinator, host, int(port), _load_credentials(args)))
+    else:
+        coordinator_key = args.coordinator_key or os.environ.get("PLEXRL_COORDINATOR_KEY")
+        if not coordinator_key:
+            raise InvalidRequestError("--tenants needs the coordinator's public key: pass --coordinator-key")
+        public = auth.load_public(coordinator_key)
+        asyncio.run(serve_tenants(args.coordinator, host, int(port), args.tenants, public))
     return 0
 
 

@@ -25,7 +25,9 @@ import plexrl
 from plexrl.gateway import service, wire
 from plexrl.gateway.app import make_app
 from plexrl.gateway.service import Gateway
+from plexrl.gateway.tenants import KeyedTenants
 from plexrl.models import TINY_MODEL
+from plexrl.protocol import auth
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.filterwarnings("ignore::ResourceWarning")]
 T = TypeVar("T")
@@ -58,7 +60,8 @@ class Served:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(embedded: plexrl.LocalCluster) -> AsyncIterator[Served]:
     async with embedded as client:
-        gateway = Gateway(client)
+        assert embedded.keys is not None
+        gateway = Gateway(KeyedTenants.issued(client.address, embedded.keys))  # as `plexrl tinker --local`
         runner = web.AppRunner(make_app(gateway, fwdbwd_max_chunk_len=2))  # five datums: three chunks
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -132,7 +135,7 @@ async def test_chunks_sent_out_of_order_are_applied_in_order_before_the_step(ser
     chunked_loss = await in_thread(run)
     # The same step in one piece, outside the SDK: one plexrl job, one forward_backward of all five.
     model = next(m for m in served.gateway.models.values() if m.owner == "tml-bob")
-    whole = await served.gateway._open("reference", model.job.spec)
+    whole = await served.gateway._open("tml-bob", "reference", model.job.spec)
     try:
         train = wire.training(_proto(datums()))
         await whole.forward_backward(train.batch, train.loss)
@@ -180,7 +183,7 @@ async def test_a_retried_request_runs_once_and_a_silent_session_is_finished(serv
         assert first == again and first[0] == 200
         _, outcome = await _post(http, f"{api}/retrieve_future", {"request_id": first[1]["request_id"]})
         assert "no accumulated gradients" in outcome["error"]  # it ran (on no gradients: it says so)
-        info = next(j for j in (await served.gateway.client.status()).jobs if j.job_id == job.job_id)
+        info = next(j for j in (await job.client.status()).jobs if j.job_id == job.job_id)
         assert info.calls_done == 2  # its open and one optim_step
         # Another key sees none of it.
         status, body = await _post(http, f"{api}/get_info", {"model_id": model_id}, key="tml-mallory")
@@ -190,7 +193,7 @@ async def test_a_retried_request_runs_once_and_a_silent_session_is_finished(serv
         # The session's heartbeats stop: it is finished, its job closed, its next heartbeat refused.
         served.gateway.sessions[session_id].heard_at -= service.SESSION_TIMEOUT_S + 1
         await served.gateway.expire()
-        assert job.job_id not in {j.job_id for j in (await served.gateway.client.status()).jobs}
+        assert job.job_id not in {j.job_id for j in (await job.client.status()).jobs}
         status, _ = await _post(http, f"{api}/session_heartbeat", {"session_id": session_id})
         assert status == 410
 
@@ -243,3 +246,47 @@ async def test_the_plexrl_tinker_command_serves_an_unmodified_sdk_program(
     finally:
         process.terminate()
         assert await process.wait() == 0  # SIGTERM: a clean exit
+
+
+async def test_each_api_key_is_its_own_plexrl_tenant_and_a_tenants_map_refuses_other_keys(
+    embedded: plexrl.LocalCluster, served: Served, tmp_path: Any
+) -> None:
+    def program(url: str, api_key: str) -> tuple[tinker.ServiceClient, str]:
+        service_client = tinker.ServiceClient(base_url=url, api_key=api_key)
+        training = service_client.create_lora_training_client(base_model=MODEL, rank=2).result()
+        return service_client, training.get_info().model_id
+
+    (frank, frank_model), (gina, gina_model) = [
+        await in_thread(program, served.url, k) for k in ("tml-frank", "tml-gina")
+    ]
+    assert embedded.client is not None
+    owners = {m.owner: m.job.job_id for m in served.gateway.models.values() if m.model_id in (frank_model, gina_model)}
+    status = await embedded.client.status()
+    tenants = {j.job_id: j.owner for j in status.jobs}
+    assert set(owners) == {"tml-frank", "tml-gina"}
+    frank_tenant, gina_tenant = tenants[owners["tml-frank"]], tenants[owners["tml-gina"]]
+    assert frank_tenant != gina_tenant and frank_tenant.startswith("tinker-") and gina_tenant.startswith("tinker-")
+    assert "tml-" not in frank_tenant + gina_tenant  # an API key is a secret: no tenant is named by it
+    for service_client in (frank, gina):
+        await in_thread(lambda c=service_client: c.close("success").result())  # type: ignore[misc]
+
+    # A --tenants map: its keys' jobs are on the key files it names; any other API key is refused.
+    assert embedded.keys is not None
+    auth.add_key(embedded.keys, "henry", "client")
+    (tmp_path / "tenants.json").write_text('{"tml-henry": "%s"}' % (embedded.keys / "secret" / "henry.key_secret"))
+    public = auth.load_public(embedded.keys / "coordinator.key")
+    mapped = Gateway(KeyedTenants.from_file(embedded.address, tmp_path / "tenants.json", public))
+    runner = web.AppRunner(make_app(mapped))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        henry, henry_model = await in_thread(program, url, "tml-henry")
+        job = next(m.job.job_id for m in mapped.models.values() if m.model_id == henry_model)
+        assert {j.job_id: j.owner for j in (await embedded.client.status()).jobs}[job] == "henry"
+        await in_thread(lambda: henry.close("success").result())
+        with pytest.raises(tinker.AuthenticationError, match="not one of the gateway's tenants"):
+            await in_thread(program, url, "tml-ivan")
+    finally:
+        await runner.cleanup()

@@ -1,12 +1,17 @@
-"""The command line's own parsing: sizes for memory budgets, level-service seconds, worker roles."""
+"""The command line's own parsing: sizes for memory budgets, level-service seconds, worker roles,
+the Tinker gateway's flags."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import pytest
 
-from plexrl.cli import _parser, _seconds_list, parse_bytes
+from plexrl.cli import _parser, _seconds_list, main, parse_bytes
+from plexrl.errors import InvalidRequestError
+from plexrl.gateway.tenants import KeyedTenants
 
 
 @pytest.mark.parametrize(
@@ -38,3 +43,21 @@ def test_worker_roles_are_checked_by_the_command_line() -> None:
         _parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--role", "sampler"])
     with pytest.raises(SystemExit):
         _parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--bucket", "-1"])
+
+
+def test_the_tinker_gateway_needs_one_place_to_serve_and_says_what_its_tenants_need(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for neither_or_both in ([], ["--coordinator", "tcp://h:1", "--local"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["tinker", *neither_or_both])
+    assert main(["tinker", "--local", "--tenants", "t.json"]) == 2
+    assert "--local issues a tenant key per API key itself" in capsys.readouterr().err
+    env = {k: v for k, v in os.environ.items() if k != "PLEXRL_COORDINATOR_KEY"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "environ", env)
+        assert main(["tinker", "--coordinator", "tcp://h:1", "--tenants", "t.json"]) == 2
+    assert "--tenants needs the coordinator's public key" in capsys.readouterr().err
+    (tmp_path / "t.json").write_text('["tml-alice"]')
+    with pytest.raises(InvalidRequestError, match="give a JSON object of API keys to client key files"):
+        KeyedTenants.from_file("tcp://h:1", tmp_path / "t.json", b"x" * 40)

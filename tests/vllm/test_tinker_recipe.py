@@ -24,6 +24,7 @@ from aiohttp import web
 import plexrl
 from plexrl.gateway.app import make_app
 from plexrl.gateway.service import Gateway
+from plexrl.gateway.tenants import KeyedTenants
 from plexrl.models import TINY_CHAT_MODEL, CharTokenizer
 from plexrl.tasks import chat, get_task
 from plexrl.worker.sampler import vllm as vllm_sampler
@@ -73,16 +74,21 @@ async def run_recipe(url: str, api_key: str, log_path: Path) -> tuple[int, str]:
 
 @pytest.mark.asyncio
 async def test_two_cookbook_recipes_under_two_keys_share_one_worker_and_stay_apart(tmp_path: Path) -> None:
-    async with plexrl.local(workers=1, sampler="vllm", policy="plex") as client:
-        gateway = Gateway(client)
+    cluster = plexrl.local(workers=1, sampler="vllm", policy="plex")
+    async with cluster as client:
+        assert cluster.keys is not None
+        gateway = Gateway(KeyedTenants.issued(client.address, cluster.keys))  # as `plexrl tinker --local`
         jobs: dict[str, str] = {}  # owner -> its plexrl job
+        tenants: dict[str, str] = {}  # owner -> its job's plexrl tenant
         both_open = asyncio.Event()
         create_model = gateway.create_model
 
         async def recorded(owner: str, request: dict[str, Any]) -> Any:
             # Neither recipe trains before the other's training client exists: they run at once.
             outcome = await create_model(owner, request)
-            jobs[owner] = gateway.models[outcome.body["model_id"]].job.job_id
+            job = gateway.models[outcome.body["model_id"]].job
+            jobs[owner] = job.job_id
+            tenants[owner] = {j.job_id: j.owner for j in (await client.status()).jobs}[job.job_id]
             if len(jobs) == 2:
                 both_open.set()
             async with asyncio.timeout(RECIPE_TIMEOUT_S):
@@ -99,8 +105,7 @@ async def test_two_cookbook_recipes_under_two_keys_share_one_worker_and_stay_apa
             keys = {"tml-alice": tmp_path / "alice", "tml-bob": tmp_path / "bob"}
             results = await asyncio.gather(*(run_recipe(url, key, path) for key, path in keys.items()))
         finally:
-            await runner.cleanup()
-            await gateway.close()
+            await runner.cleanup()  # closes the gateway
 
     for (code, output), path in zip(results, keys.values(), strict=True):
         assert code == 0, output
@@ -110,8 +115,8 @@ async def test_two_cookbook_recipes_under_two_keys_share_one_worker_and_stay_apa
         assert max(s.get("env/all/format", 0.0) for s in steps) > 0, steps  # some replies end at "\n\nUser:"
         checkpoints = [json.loads(line) for line in (path / "checkpoints.jsonl").read_text().splitlines()]
         assert checkpoints[-1]["name"] == "final" and checkpoints[-1]["sampler_path"].startswith("tinker://")
-    # One plexrl job per key (both open at once on the one worker): shared, and apart.
-    assert set(jobs) == set(keys) and len(set(jobs.values())) == 2
+    # One plexrl job per key, each of its own plexrl tenant (both open at once on the one worker).
+    assert set(jobs) == set(keys) and len(set(jobs.values())) == 2 and len(set(tenants.values())) == 2
     assert gateway.models == {} and gateway.sessions == {}  # both recipes finished their sessions
 
 

@@ -124,6 +124,13 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Client:
+        await self.open()
+        self._token = current_client.set(self)  # what plexrl.job() and friends use
+        return self
+
+    async def open(self) -> None:
+        """Connect (``async with`` does this, and makes the client the current one): for code
+        that holds several clients, such as the Tinker gateway's one per tenant; ``close()`` after."""
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, os.urandom(8))
@@ -155,8 +162,6 @@ class Client:
                 name="plexrl-client-heartbeat",
             )
         )
-        self._token = current_client.set(self)
-        return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
@@ -164,6 +169,10 @@ class Client:
         if self._token is not None:
             current_client.reset(self._token)
             self._token = None
+        await self.close()
+
+    async def close(self) -> None:
+        """Disconnect; calls still in flight fail with ``CoordinatorLostError``."""
         await self._close(CoordinatorLostError("the client was closed before the call finished"))
 
     async def _close(self, err: PlexError) -> None:

@@ -2,9 +2,10 @@
 programs (``TINKER_BASE_URL=http://HOST:PORT``) train and sample on the lab's own workers.
 
     plexrl tinker --coordinator tcp://head:7400 --key KEY --coordinator-key COORD.key --bind 0.0.0.0:8000
+    plexrl tinker --coordinator tcp://head:7400 --coordinator-key COORD.key --tenants tenants.json --bind ...
     plexrl tinker --local --workers 1 --policy plex     # on an embedded cluster, for one machine
 
-``app.py``: the HTTP endpoints; ``service.py``: sessions, training models (plexrl jobs) and
+``app.py``: the HTTP endpoints; ``tenants.py``: the plexrl client (tenant) of each API key; ``service.py``: sessions, training models (plexrl jobs) and
 sampling sessions, and the order requests run in; ``futures.py``: request ids and long-polled
 outcomes; ``wire.py``: Tinker's datums and protobuf bodies to plexrl's types and back. Needs the
 ``tinker`` extra (the SDK's protobuf definitions): ``pip install "plexrl[tinker]"``.
@@ -18,50 +19,55 @@ import signal
 from typing import Any
 
 from plexrl.client.connection import Client
+from plexrl.gateway.tenants import KeyedTenants, SharedTenant, Tenants
 from plexrl.protocol import auth
 
 log = logging.getLogger("plexrl.gateway")
 
 
-async def serve(client: Client, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-    """Serve HTTP on ``host:port`` for ``client``'s cluster until SIGINT or SIGTERM."""
+async def serve(tenants: Tenants, host: str, port: int, coordinator: str) -> None:
+    """Serve HTTP on ``host:port``, each API key's jobs on its ``tenants`` client, until SIGINT or SIGTERM."""
     from aiohttp import web
 
     from plexrl.gateway.app import make_app
     from plexrl.gateway.service import Gateway
 
-    gateway = Gateway(client)
     # One access-log line per SDK request (the SDK long-polls) only when debugging.
     access = logging.getLogger("aiohttp.access")
-    runner = web.AppRunner(make_app(gateway), access_log=access if access.isEnabledFor(logging.DEBUG) else None)
+    runner = web.AppRunner(
+        make_app(Gateway(tenants)), access_log=access if access.isEnabledFor(logging.DEBUG) else None
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        log.info("Tinker gateway on http://%s:%d (TINKER_BASE_URL) for coordinator %s", host, port, client.address)
+        log.info("Tinker gateway on http://%s:%d (TINKER_BASE_URL) for coordinator %s", host, port, coordinator)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        if ready is not None:
-            ready.set()
         await stop.wait()
     finally:
-        await runner.cleanup()
-        await gateway.close()
+        await runner.cleanup()  # closes the gateway: its sessions' jobs, then its tenants' clients
 
 
-async def serve_coordinator(
-    coordinator: str, host: str, port: int, credentials: auth.Credentials | None = None
-) -> None:
-    """``serve`` through one plexrl client of ``coordinator``."""
+async def serve_coordinator(coordinator: str, host: str, port: int, credentials: auth.Credentials | None) -> None:
+    """``serve`` for ``coordinator``, every API key's jobs on the gateway's own key (``credentials``)."""
     async with Client(coordinator, credentials=credentials) as client:
-        await serve(client, host, port)
+        await serve(SharedTenant(client), host, port, coordinator)
+
+
+async def serve_tenants(coordinator: str, host: str, port: int, tenants_file: str, coordinator_public: bytes) -> None:
+    """``serve`` for ``coordinator``, each API key's jobs on the client key ``tenants_file`` maps it to."""
+    await serve(KeyedTenants.from_file(coordinator, tenants_file, coordinator_public), host, port, coordinator)
 
 
 async def serve_local(host: str, port: int, **cluster: Any) -> None:
-    """``serve`` on an embedded cluster (``plexrl.local(**cluster)``), torn down with the gateway."""
+    """``serve`` on an embedded cluster (``plexrl.local(**cluster)``), torn down with the gateway;
+    each API key gets a client key of its own (a plexrl tenant) on first use."""
     from plexrl.client.local import LocalCluster
 
-    async with LocalCluster(**cluster) as client:
-        await serve(client, host, port)
+    local = LocalCluster(**cluster)
+    async with local as client:
+        assert local.keys is not None  # made by the cluster's start
+        await serve(KeyedTenants.issued(client.address, local.keys), host, port, client.address)

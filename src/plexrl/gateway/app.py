@@ -31,6 +31,7 @@ from plexrl.gateway.service import Gateway, NotFoundError
 log = logging.getLogger("plexrl.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GATEWAY = web.AppKey("gateway", Gateway)
 SWEEP_S = 10.0  # how often finished outcomes and silent sessions are looked for
 
 
@@ -42,8 +43,13 @@ def _error(status: int, message: str, category: str = "user") -> web.Response:
 async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request names its key (``X-API-Key: tml-...``); a key sees only its own sessions."""
     key = request.headers.get("X-API-Key", "")
-    if request.path != "/api/v1/healthz" and not key.startswith("tml-"):
-        return _error(401, "send a Tinker API key (X-API-Key: tml-...); the gateway maps each key to its own sessions")
+    if request.path != "/api/v1/healthz":
+        if not key.startswith("tml-"):
+            return _error(
+                401, "send a Tinker API key (X-API-Key: tml-...); the gateway maps each key to its own sessions"
+            )
+        if not request.app[GATEWAY].tenants.admits(key):
+            return _error(401, "this API key is not one of the gateway's tenants (plexrl tinker --tenants)")
     request["owner"] = key
     try:
         return await handler(request)
@@ -211,6 +217,7 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
 
 def make_app(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> web.Application:
     app = web.Application(middlewares=[_api_key], client_max_size=256 << 20)
+    app[GATEWAY] = gateway
     app.add_routes(routes(gateway, fwdbwd_max_chunk_len))
 
     async def sweeper(app: web.Application) -> AsyncIterator[None]:

@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from plexrl.client.connection import Client
 from plexrl.client.job import Job
 from plexrl.errors import InvalidRequestError
 from plexrl.gateway import wire
 from plexrl.gateway.futures import Futures, Json, Outcome, Proto
+from plexrl.gateway.tenants import Tenants
 from plexrl.protocol import calls
 from plexrl.types import AdamW, LoRA, SamplingParams
 
@@ -84,8 +84,8 @@ class Session:
 class Gateway:
     """The Tinker service on one plexrl client."""
 
-    def __init__(self, client: Client, futures: Futures | None = None) -> None:
-        self.client = client
+    def __init__(self, tenants: Tenants, futures: Futures | None = None) -> None:
+        self.tenants = tenants
         self.futures = futures or Futures()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -183,7 +183,7 @@ class Gateway:
         rank = int(lora.get("rank", 32))
         spec = calls.JobSpec(model=request["base_model"], lora=LoRA(rank=rank), optimizer=AdamW(),
                              seed=int(lora.get("seed") or 0))  # fmt: skip
-        job = await self._open(f"tinker.{session.session_id[:8]}.{seq}", spec)
+        job = await self._open(owner, f"tinker.{session.session_id[:8]}.{seq}", spec)
         self.models[model_id] = Model(model_id, owner, session.session_id, spec.model, rank, job)
         session.models.append(model_id)
         return Json({"model_id": model_id})
@@ -341,10 +341,12 @@ class Gateway:
 
     # -- plexrl jobs ----------------------------------------------------------------------------
 
-    async def _open(self, name: str, spec: calls.JobSpec) -> Job:
+    async def _open(self, owner: str, name: str, spec: calls.JobSpec) -> Job:
+        """A job of ``owner``'s plexrl tenant."""
         self._jobs_opened += 1
-        job_id, opened = await self.client.open_job(f"{name}.{self._jobs_opened}", spec)
-        return Job(self.client, job_id, name, spec, opened)
+        client = await self.tenants.client(owner)
+        job_id, opened = await client.open_job(f"{name}.{self._jobs_opened}", spec)
+        return Job(client, job_id, name, spec, opened)
 
     async def _base_job(self, owner: str, base_model: str) -> Job:
         """A never-trained job of ``base_model`` for this key's base-model samplers (its LoRA adapter
@@ -352,7 +354,7 @@ class Gateway:
         key = (owner, base_model)
         if key not in self._opening:
             spec = calls.JobSpec(model=base_model, lora=LoRA(rank=1))
-            self._opening[key] = asyncio.ensure_future(self._open("tinker.base", spec))
+            self._opening[key] = asyncio.ensure_future(self._open(owner, "tinker.base", spec))
         return await self._opening[key]
 
     async def _tokenizer(self, base_model: str) -> Any:
@@ -369,6 +371,7 @@ class Gateway:
             if opening.done() and not opening.exception():
                 await opening.result().close()
         await self.futures.close()
+        await self.tenants.close()
 
 
 def _checkpoint(model_id: str, name: str) -> str:
