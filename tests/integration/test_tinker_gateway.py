@@ -19,11 +19,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import tinker
-from aiohttp import web
 
 import plexrl
-from plexrl.gateway import service, wire
-from plexrl.gateway.app import make_app
+from plexrl.gateway import running, service, wire
 from plexrl.gateway.service import Gateway
 from plexrl.gateway.tenants import KeyedTenants
 from plexrl.models import TINY_MODEL
@@ -62,13 +60,8 @@ async def served(embedded: plexrl.LocalCluster) -> AsyncIterator[Served]:
     async with embedded as client:
         assert embedded.keys is not None
         gateway = Gateway(KeyedTenants.issued(client.address, embedded.keys))  # as `plexrl tinker --local`
-        runner = web.AppRunner(make_app(gateway, fwdbwd_max_chunk_len=2))  # five datums: three chunks
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        yield Served(gateway, f"http://127.0.0.1:{port}")
-        await runner.cleanup()
+        async with running(gateway, fwdbwd_max_chunk_len=2) as url:  # five datums: three chunks
+            yield Served(gateway, url)
 
 
 def datums(weights_from: int = 1) -> list[tinker.Datum]:
@@ -276,17 +269,10 @@ async def test_each_api_key_is_its_own_plexrl_tenant_and_a_tenants_map_refuses_o
     (tmp_path / "tenants.json").write_text('{"tml-henry": "%s"}' % (embedded.keys / "secret" / "henry.key_secret"))
     public = auth.load_public(embedded.keys / "coordinator.key")
     mapped = Gateway(KeyedTenants.from_file(embedded.address, tmp_path / "tenants.json", public))
-    runner = web.AppRunner(make_app(mapped))
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with running(mapped) as url:
         henry, henry_model = await in_thread(program, url, "tml-henry")
         job = next(m.job.job_id for m in mapped.models.values() if m.model_id == henry_model)
         assert {j.job_id: j.owner for j in (await embedded.client.status()).jobs}[job] == "henry"
         await in_thread(lambda: henry.close("success").result())
         with pytest.raises(tinker.AuthenticationError, match="not one of the gateway's tenants"):
             await in_thread(program, url, "tml-ivan")
-    finally:
-        await runner.cleanup()

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 import plexrl
-from plexrl.gateway.app import make_app
+from plexrl.gateway import running
 from plexrl.gateway.service import Gateway
 from plexrl.gateway.tenants import KeyedTenants
 from plexrl.models import TINY_CHAT_MODEL, CharTokenizer
@@ -96,16 +95,9 @@ async def test_two_cookbook_recipes_under_two_keys_share_one_worker_and_stay_apa
             return outcome
 
         gateway.create_model = recorded  # type: ignore[method-assign]
-        runner = web.AppRunner(make_app(gateway))
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            keys = {"tml-alice": tmp_path / "alice", "tml-bob": tmp_path / "bob"}
+        keys = {"tml-alice": tmp_path / "alice", "tml-bob": tmp_path / "bob"}
+        async with running(gateway) as url:
             results = await asyncio.gather(*(run_recipe(url, key, path) for key, path in keys.items()))
-        finally:
-            await runner.cleanup()  # closes the gateway
 
     for (code, output), path in zip(results, keys.values(), strict=True):
         assert code == 0, output

@@ -14,41 +14,55 @@ outcomes; ``wire.py``: Tinker's datums and protobuf bodies to plexrl's types and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from plexrl.client.connection import Client
 from plexrl.gateway.tenants import KeyedTenants, SharedTenant, Tenants
 from plexrl.protocol import auth
 
+if TYPE_CHECKING:
+    from plexrl.gateway.service import Gateway
+
 log = logging.getLogger("plexrl.gateway")
+
+
+@contextlib.asynccontextmanager
+async def running(
+    gateway: Gateway, host: str = "127.0.0.1", port: int = 0, fwdbwd_max_chunk_len: int | None = None
+) -> AsyncIterator[str]:
+    """``gateway`` served on ``host:port`` (0: a free port) while the block runs; yields its URL.
+    Leaving closes the gateway: its sessions' jobs, then its tenants' clients."""
+    from aiohttp import web
+
+    from plexrl.gateway.app import make_app
+
+    # One access-log line per SDK request (the SDK long-polls) only when debugging.
+    access = logging.getLogger("aiohttp.access")
+    app = make_app(gateway, fwdbwd_max_chunk_len)
+    runner = web.AppRunner(app, access_log=access if access.isEnabledFor(logging.DEBUG) else None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"http://{host}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 async def serve(tenants: Tenants, host: str, port: int, coordinator: str) -> None:
     """Serve HTTP on ``host:port``, each API key's jobs on its ``tenants`` client, until SIGINT or SIGTERM."""
-    from aiohttp import web
-
-    from plexrl.gateway.app import make_app
     from plexrl.gateway.service import Gateway
 
-    # One access-log line per SDK request (the SDK long-polls) only when debugging.
-    access = logging.getLogger("aiohttp.access")
-    runner = web.AppRunner(
-        make_app(Gateway(tenants)), access_log=access if access.isEnabledFor(logging.DEBUG) else None
-    )
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        log.info("Tinker gateway on http://%s:%d (TINKER_BASE_URL) for coordinator %s", host, port, coordinator)
+    async with running(Gateway(tenants), host, port) as url:
+        log.info("Tinker gateway on %s (TINKER_BASE_URL) for coordinator %s", url, coordinator)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-    finally:
-        await runner.cleanup()  # closes the gateway: its sessions' jobs, then its tenants' clients
 
 
 async def serve_coordinator(coordinator: str, host: str, port: int, credentials: auth.Credentials | None) -> None:
