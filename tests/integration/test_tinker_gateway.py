@@ -185,7 +185,9 @@ async def test_a_retried_request_runs_once_and_a_silent_session_is_finished(serv
         assert status == 401
         # The session's heartbeats stop: it is finished, its job closed, its next heartbeat refused.
         served.gateway.sessions[session_id].heard_at -= service.SESSION_TIMEOUT_S + 1
+        assert any(k[1].startswith(session_id) for k in served.gateway._by_seq)
         await served.gateway.expire()
+        assert not any(k[1].startswith(session_id) for k in served.gateway._by_seq)  # its retries are over
         assert job.job_id not in {j.job_id for j in (await job.client.status()).jobs}
         status, _ = await _post(http, f"{api}/session_heartbeat", {"session_id": session_id})
         assert status == 410

@@ -32,6 +32,7 @@ log = logging.getLogger("plexrl.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATEWAY = web.AppKey("gateway", Gateway)
+OWNER = web.RequestKey("owner", str)  # the request's API key
 SWEEP_S = 10.0  # how often finished outcomes and silent sessions are looked for
 
 
@@ -50,7 +51,7 @@ async def _api_key(request: web.Request, handler: Handler) -> web.StreamResponse
             )
         if not request.app[GATEWAY].tenants.admits(key):
             return _error(401, "this API key is not one of the gateway's tenants (plexrl tinker --tenants)")
-    request["owner"] = key
+    request[OWNER] = key
     try:
         return await handler(request)
     except web.HTTPException:
@@ -101,24 +102,24 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
 
     async def create_session(request: web.Request) -> web.Response:
         await _body(request)
-        session_id = gateway.create_session(request["owner"], uuid.uuid4().hex)
+        session_id = gateway.create_session(request[OWNER], uuid.uuid4().hex)
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def heartbeat(request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            gateway.heartbeat(request["owner"], body["session_id"])
+            gateway.heartbeat(request[OWNER], body["session_id"])
         except NotFoundError as e:
             return _error(410, f"{e}")  # the SDK stops heartbeating a session the server let go
         return web.json_response({"type": "session_heartbeat"})
 
     async def finish(request: web.Request) -> web.Response:
-        await gateway.finish(request["owner"], request.match_info["session_id"])
+        await gateway.finish(request[OWNER], request.match_info["session_id"])
         return web.json_response({})
 
     async def create_model(request: web.Request) -> web.Response:
         body = await _body(request)
-        owner = request["owner"]
+        owner = request[OWNER]
         gateway.session(owner, body["session_id"])
         key = (f"{body['session_id']}:model", int(body["model_seq_id"]))
         request_id = gateway.submit(owner, key, lambda: gateway.create_model(owner, body))
@@ -126,12 +127,12 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
 
     async def get_info(request: web.Request) -> web.Response:
         body = await _body(request)
-        return web.json_response(gateway.info(request["owner"], body["model_id"]))
+        return web.json_response(gateway.info(request[OWNER], body["model_id"]))
 
     def training(name: str) -> Handler:
         async def handle(request: web.Request) -> web.Response:
             body = await _body(request)
-            owner = request["owner"]
+            owner = request[OWNER]
             model = gateway.model(owner, body["model_id"])
             work = getattr(gateway, name)
             seq = body.get("seq_id")
@@ -147,7 +148,7 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
             return _error(400, "compressed forward_backward bodies are not supported (proto_compress_fwdbwd is off)")
         proto = pb.ForwardBackwardRequest()
         proto.ParseFromString(await request.read())
-        owner = request["owner"]
+        owner = request[OWNER]
         model = gateway.model(owner, proto.model_id)
         key = (model.model_id, int(proto.seq_id)) if proto.seq_id else None
         request_id = gateway.submit(owner, key, lambda: gateway.forward_backward(model, proto))
@@ -155,17 +156,17 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
 
     async def create_sampler(request: web.Request) -> web.Response:
         body = await _body(request)
-        sampler_id = await gateway.create_sampler(request["owner"], body)
+        sampler_id = await gateway.create_sampler(request[OWNER], body)
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
     async def get_sampler(request: web.Request) -> web.Response:
-        sampler = gateway.sampler(request["owner"], request.match_info["sampler_id"])
+        sampler = gateway.sampler(request[OWNER], request.match_info["sampler_id"])
         return web.json_response({"sampler_id": sampler.sampler_id, "base_model": sampler.base_model,
                                   "model_path": sampler.model_path})  # fmt: skip
 
     async def sample(request: web.Request) -> web.Response:
         body = await _body(request)
-        owner = request["owner"]
+        owner = request[OWNER]
         sampler_id, seq = body.get("sampling_session_id"), body.get("seq_id")
         if sampler_id:
             gateway.sampler(owner, sampler_id)
@@ -178,7 +179,7 @@ def routes(gateway: Gateway, fwdbwd_max_chunk_len: int | None = None) -> list[we
         body = await _body(request)
         request_id = str(body["request_id"])
         try:
-            outcome = await gateway.futures.retrieve(request["owner"], request_id)
+            outcome = await gateway.futures.retrieve(request[OWNER], request_id)
         except KeyError:
             return _error(410, f"no request {request_id!r} here (unknown, or its outcome was dropped)")
         match outcome:

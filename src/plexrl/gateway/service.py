@@ -118,6 +118,9 @@ class Gateway:
         """Close the session's jobs (its training models' and base-model samplers are freed)."""
         session = self.session(owner, session_id)
         del self.sessions[session_id]
+        # Its clients' ids (models, samplers) all start with the session's: their retries are over.
+        for key in [k for k in self._by_seq if k[0] == owner and k[1].startswith(session_id)]:
+            del self._by_seq[key]
         for sampler_id in session.samplers:
             self.samplers.pop(sampler_id, None)
         for model_id in session.models:
