@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run the shared coordinator")
     p.add_argument("--bind", default="tcp://127.0.0.1:7400", help="endpoint to listen on (port 0 = any free port)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port of --bind's host (0: a free one, logged)")  # fmt: skip
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
     p.add_argument("--client-timeout", type=float, default=30.0, help="seconds a silent client keeps its jobs running")
     p.add_argument(
@@ -325,6 +327,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         elastic=args.elastic,
         move_prior_s=args.move_prior,
         level_service_s=args.level_service,
+        metrics_port=args.metrics_port,
     )
 
     def ready(address: str) -> None:

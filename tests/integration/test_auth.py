@@ -19,7 +19,14 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 import plexrl
-from plexrl.errors import CallFailedError, CheckpointPathError, NotAuthorizedError, NotJobOwnerError, TooManyCallsError
+from plexrl.errors import (
+    CallFailedError,
+    CheckpointPathError,
+    InvalidRequestError,
+    NotAuthorizedError,
+    NotJobOwnerError,
+    TooManyCallsError,
+)
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
@@ -191,6 +198,13 @@ async def test_a_tenant_sees_and_uses_only_its_own_jobs(
                 assert [(j.job_id, j.owner) for j in mine] == [(job.job_id, "alice")]
                 saved = await job.save("step-1")
                 assert Path(saved.path) == (tmp_path / "ckpt" / "alice" / "step-1").resolve()
+                exported = await job.export("adapter-1", format="peft")  # confined like a checkpoint
+                assert Path(exported.path) == (tmp_path / "ckpt" / "alice" / "adapter-1").resolve()
+                assert (Path(exported.path) / "adapter_config.json").is_file()
+                with pytest.raises(CheckpointPathError):
+                    await job.export("../bob/adapter", format="hf")
+                with pytest.raises(InvalidRequestError, match="export format 'onnx'"):
+                    job.export("x", format="onnx")
                 async with (
                     plexrl.connect(address, credentials=creds("bob")),
                     plexrl.job("bobs-job", model=tiny_model) as theirs_job,

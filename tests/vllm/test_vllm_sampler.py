@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from plexrl.protocol.calls import (
     Open,
     OptimStep,
     Result,
+    Save,
     SyncWeights,
 )
 from plexrl.types import AdamW, Batch, LoRA, Ragged, SamplingParams
@@ -338,6 +340,25 @@ async def test_32_lora_tenants_of_different_ranks_share_one_vllm_worker() -> Non
         assert len(status.jobs) == 32
         assert max(j.state_bytes for j in status.jobs) < 4_000_000 < sum(j.state_bytes for j in status.jobs)
         assert sum(j.swaps for j in status.jobs) > 0  # the budget holds a few jobs' state: it moved
+
+
+def test_a_merged_export_served_by_vllm_samples_as_its_job_did(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
+    """``job.export(format="hf")``: vLLM loads the merged model directory and, greedy, gives the
+    trained job's tokens and logprobs (the peft format is what the sampler publishes every version in)."""
+    vllm, _ = engines
+    _train(engines, {"mul": "3*4=99"})
+    prompts = _prompts("12*3=", "7*8=")
+    job = vllm.execute("mul", Generate(prompts=prompts, params=GREEDY))
+    vllm.execute("mul", Save(str(tmp_path / "merged"), format="hf"))
+    spec = JobSpec(model=str(tmp_path / "merged"), lora=LoRA(rank=8), optimizer=AdamW())  # a zero adapter
+    vllm.execute("exported", Open(spec=spec))
+    try:
+        served = vllm.execute("exported", Generate(prompts=prompts, params=GREEDY))
+    finally:
+        vllm.execute("exported", Close())
+    assert isinstance(job, Generated) and isinstance(served, Generated)
+    assert rows(served.tokens) == rows(job.tokens)
+    np.testing.assert_allclose(served.logprobs.values, job.logprobs.values, atol=ATOL)
 
 
 def rows(r: Ragged) -> list[list[int]]:

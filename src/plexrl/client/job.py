@@ -177,6 +177,15 @@ class Job:
         result's ``path`` says where). Absolute paths and '..' get ``CheckpointPathError``."""
         return self._submit(calls.Save(path=os.fspath(path)), calls.Saved)
 
+    def export(self, path: str | os.PathLike[str], format: str = "peft") -> asyncio.Future[calls.Saved]:
+        """Write the trainer's weights where ``save`` would, for other tools: ``format="peft"``, a PEFT
+        adapter directory (``PeftModel.from_pretrained(base, dir)``; vLLM serves it as a LoRA), or
+        ``"hf"``, the base model with them merged in (``AutoModelForCausalLM.from_pretrained(dir)``,
+        ``vllm serve dir``). ``sync_weights`` first to export what ``generate`` samples with."""
+        if format not in ("peft", "hf"):
+            raise InvalidRequestError(f"export format {format!r}: choose 'peft' (an adapter) or 'hf' (a merged model)")
+        return self._submit(calls.Save(path=os.fspath(path), format=format), calls.Saved)
+
     def load(self, path: str | os.PathLike[str]) -> asyncio.Future[calls.Loaded]:
         """Restore a checkpoint saved by one of your jobs (``path`` as given to ``save``)."""
         return self._submit(calls.Load(path=os.fspath(path)), calls.Loaded)

@@ -60,6 +60,7 @@ class LocalCluster:
         elastic: bool = False,
         move_prior_s: float | None = None,
         level_service_s: tuple[float, ...] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -97,6 +98,7 @@ class LocalCluster:
         self.elastic = elastic
         self.move_prior_s = move_prior_s  # with elastic: what a move costs until one is measured (None: default)
         self.level_service_s = level_service_s  # service seconds moving trajectories down levels (None: default)
+        self.metrics_port = metrics_port  # the coordinator's Prometheus endpoint on 127.0.0.1 (None: none)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
         self.cores = _worker_cores(workers, cpus_per_worker) if cpus_per_worker else None
@@ -190,6 +192,7 @@ class LocalCluster:
                 *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
                 *(["--journal", os.fspath(self.journal)] if self.journal is not None else []),
                 *(["--elastic"] if self.elastic else []),
+                *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
                 *(["--move-prior", str(self.move_prior_s)] if self.move_prior_s is not None else []),
                 *(["--level-service", ",".join(map(str, self.level_service_s))] if self.level_service_s else []),
                 *extra,

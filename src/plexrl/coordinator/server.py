@@ -25,6 +25,7 @@ from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.coordinator.journal import JobRow, Journal
+from plexrl.coordinator.metrics import Metrics
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.errors import (
     CallAbortedError,
@@ -134,6 +135,8 @@ class _CallRecord:
     tenant: str = ""  # whose submitted call this is (counted against its limits)
     nbytes: int = 0  # its message's size
     seq: int = 0  # its number in its job's order (``Submit.seq``)
+    submitted_at: float = field(default_factory=time.monotonic)  # for the metrics' queue and run times
+    dispatched_at: float = 0.0
 
 
 @dataclass
@@ -190,6 +193,9 @@ class CoordinatorConfig:
     # Libra's buckets: the accelerator-seconds of service at which a trajectory moves down to levels
     # 1, 2, 3 (besides its tool errors, turns and tokens: ``coordinator/buckets.py``).
     level_service_s: tuple[float, ...] = Mlfq().service_s
+    # A Prometheus endpoint (coordinator/metrics.py) on this port of the bind address's host; 0: a
+    # free port (logged); None: none.
+    metrics_port: int | None = None
 
 
 class Coordinator:
@@ -234,6 +240,8 @@ class Coordinator:
         self._peers: dict[bytes, _Peer] = {}  # connection -> its tenant
         self._hung: set[bytes] = set()  # call sockets of workers declared hung (told to exit)
         self._journal = None if config.journal is None else Journal(config.journal)
+        self._metrics = None if config.metrics_port is None else Metrics()
+        self.metrics_address = ""  # http://host:port/metrics once serving
         if self._journal is not None:
             self._job_ids = itertools.count(max(1, self._journal.counter("next_job")))
 
@@ -260,6 +268,11 @@ class Coordinator:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = Pump(sock, self._on_frames)
         log.info("coordinator listening on %s", self.address)
+        if self._metrics is not None and self.config.metrics_port is not None:
+            host = re.sub(r"^tcp://(.*):[^:]*$", r"\1", self.address).strip("[]")
+            port = self._metrics.serve(host, self.config.metrics_port, self._admin_status, asyncio.get_running_loop())
+            self.metrics_address = f"http://{host}:{port}/metrics"
+            log.info("metrics on %s", self.metrics_address)
         self._resume_journaled()
         if on_ready is not None:
             on_ready(self.address)
@@ -277,6 +290,8 @@ class Coordinator:
                 authenticator.stop()
             if self._journal is not None:
                 self._journal.close()
+            if self._metrics is not None:
+                self._metrics.close()
             ctx.term()
             log.info("coordinator stopped")
 
@@ -727,6 +742,9 @@ class Coordinator:
         elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
+        if self._metrics is not None and rec.dispatched_at:
+            done = time.monotonic()
+            self._metrics.observe(rec.call, bool(error), rec.dispatched_at - rec.submitted_at, done - rec.dispatched_at)
         self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         self._settle_move(worker_id)
         if isinstance(rec.call, calls.Restore) and job is not None:
@@ -912,6 +930,7 @@ class Coordinator:
             case ev.Dispatch(call_id, worker_id, priority):
                 rec = self._calls[call_id]
                 rec.worker_id = worker_id
+                rec.dispatched_at = time.monotonic()
                 call = rec.call
                 job = self._jobs.get(rec.job_id)
                 # A disaggregated job's sampler worker, or a pooled job's rollout workers, get the weights next.
@@ -1015,6 +1034,10 @@ class Coordinator:
     def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
 
+    async def _admin_status(self) -> m.StatusReply:
+        """Everything ``plexrl status`` shows an admin (the metrics endpoint's scrape)."""
+        return self._status(0, _Peer(tenant="", admin=True))
+
     def _status(self, rid: int, asker: _Peer) -> m.StatusReply:
         """Workers, and jobs: the asker's own in full; other tenants' without names or details
         (where they run and their state only), unless the asker is an admin."""
@@ -1100,6 +1123,8 @@ def _validate(call: calls.Call) -> None:
             tokens.check("tokens")
         case calls.Save(path=path) | calls.Load(path=path) if not path:
             raise InvalidRequestError("save/load need a non-empty path")
+        case calls.Save(format=fmt) if fmt not in ("plexrl", "peft", "hf"):
+            raise InvalidRequestError(f"save format {fmt!r}: choose plexrl (a checkpoint), peft or hf (exports)")
 
 
 async def run_coordinator(config: CoordinatorConfig, on_ready: Callable[[str], None] | None = None) -> None:

@@ -95,6 +95,9 @@ class SetWeights(msgspec.Struct, tag="set_weights", frozen=True):
 
 class Save(msgspec.Struct, tag="save", frozen=True):
     path: str
+    # "plexrl": a checkpoint (weights and optimizer) that load() restores; "peft" or "hf": the
+    # trainer's weights for other tools (worker/export.py), which load() refuses.
+    format: str = "plexrl"
 
 
 class Load(msgspec.Struct, tag="load", frozen=True):

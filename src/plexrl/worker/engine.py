@@ -125,8 +125,8 @@ class Engine:
                 return job.sync_weights(export)
             case SetWeights(weight_version=version, tensors=tensors):
                 return job.set_weights(version, tensors)
-            case Save(path=path):
-                return job.save(self._checkpoint_path(job_id, path))
+            case Save(path=path, format=fmt):
+                return job.save(self._checkpoint_path(job_id, path), fmt)
             case Load(path=path, export=export, snapshot=snapshot):
                 return job.load(self._checkpoint_path(job_id, path), export, snapshot)
             case Close():

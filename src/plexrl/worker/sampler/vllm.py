@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
+from plexrl.worker.export import write_peft_adapter
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import cpu_lora
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
@@ -286,11 +287,7 @@ class VllmSampler:
         """
         path = self._dir / f"{key}@v{version}-{next(self._requests)}"
         path.mkdir()
-        save_file(
-            {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()},
-            path / "adapter_model.safetensors",
-        )
-        peft_config.save_pretrained(str(path))
+        write_peft_adapter(path, tensors, peft_config)
         self._call(self._registry.publish(key, version, path), 120)
 
     def refit(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -57,6 +57,20 @@ def confined(root: Path, tenant: str, path: str) -> str:
 
 def write(path: str, tensors: dict[str, Tensor], optimizer_state: dict[str, Any], manifest: dict[str, Any]) -> None:
     """Write a checkpoint at ``path`` atomically, replacing a previous checkpoint there."""
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        save_file(tensors, str(tmp / WEIGHTS))
+        torch.save(optimizer_state, tmp / OPTIMIZER)
+        return manifest
+
+    write_dir(path, fill)
+
+
+def write_dir(path: str, fill: Callable[[Path], dict[str, Any]]) -> None:
+    """Make the directory ``path`` atomically: ``fill`` writes its files into a temporary directory
+    and returns the manifest; each file is fsynced, the manifest (with every file's size) written
+    last, then the directory is renamed into place. What it replaces must be plexrl's too (a
+    checkpoint or an export)."""
     final = Path(path)
     if final.exists() and not (final / MANIFEST).is_file():
         raise InvalidRequestError(
@@ -66,9 +80,10 @@ def write(path: str, tensors: dict[str, Tensor], optimizer_state: dict[str, Any]
     tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        _write_synced(tmp / WEIGHTS, lambda f: save_file(tensors, str(f)))
-        _write_synced(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
-        files = {name: (tmp / name).stat().st_size for name in (WEIGHTS, OPTIMIZER)}
+        manifest = fill(tmp)
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        for name in files:
+            _sync_file(tmp / name)
         text = json.dumps({**manifest, "format": FORMAT, "files": files}, indent=1)
         _write_synced(tmp / MANIFEST, lambda f: f.write_text(text))
         _sync_dir(tmp)
@@ -89,6 +104,10 @@ def read(path: str) -> Checkpoint:
         raise CallFailedError(f"{path!r} has no {MANIFEST}: not a plexrl checkpoint, or an incomplete one") from e
     except (OSError, ValueError) as e:
         raise CallFailedError(f"{path!r}: {MANIFEST} is unreadable or not JSON ({e}); the checkpoint is corrupt") from e
+    if isinstance(manifest, dict) and manifest.get("export"):
+        raise CallFailedError(
+            f"{path!r} is a {manifest['export']} export for other tools, not a checkpoint: load one written by save()"
+        )
     _check_manifest(path, manifest)
     for name, size in manifest["files"].items():
         f = root / name

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import math
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -50,6 +51,7 @@ from plexrl.protocol.calls import (
     generate_seed,
 )
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
+from plexrl.worker import export
 from plexrl.worker.memory import planned_state_bytes
 from plexrl.worker.models import BaseModel
 from plexrl.worker.progress import Progress
@@ -371,8 +373,19 @@ class WorkerJob:
         self._published_step = -1
         return Synced(weight_version=version)
 
-    def save(self, path: str) -> Saved:
-        """Checkpoint the trainer weights and optimizer; accumulated gradients are not saved."""
+    def save(self, path: str, fmt: str = "plexrl") -> Saved:
+        """Checkpoint the trainer weights and optimizer; accumulated gradients are not saved. Or
+        (``fmt`` "peft" or "hf") export the trainer weights for other tools."""
+        if fmt != "plexrl":
+            if fmt not in export.FORMATS:
+                raise InvalidRequestError(f"save format {fmt!r}: choose plexrl, {', '.join(export.FORMATS)}")
+
+            def fill(tmp: Path) -> dict[str, Any]:
+                export.write(tmp, fmt, self.base, self.weights)
+                return {"export": fmt, "weight_version": self.weight_version, "step": self.step}
+
+            checkpoint.write_dir(path, fill)
+            return Saved(path=path, weight_version=self.weight_version, step=self.step)
         tensors = {k: p.detach().cpu().contiguous() for k, p in self.weights.trainer_params.items()}
         manifest = {
             "kind": self.weights.kind,

@@ -1,0 +1,71 @@
+"""A job's weights as directories other tools load: a PEFT adapter, or a merged Hugging Face model.
+
+- ``peft``: ``adapter_model.safetensors`` (PEFT's saved layout, ``base_model.model....lora_A.weight``)
+  and ``adapter_config.json``: ``peft.PeftModel.from_pretrained(base, dir)`` loads it and vLLM
+  serves it as a LoRA adapter (the vLLM sampler publishes every adapter version this way).
+- ``hf``: the base model with the adapter merged in (``W + (alpha / r) B A``; a full fine-tune
+  job's weights as they are), its config, generation config and the base's tokenizer files:
+  ``AutoModelForCausalLM.from_pretrained(dir)`` loads it and ``vllm serve dir`` serves it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from plexrl.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from plexrl.worker.models import BaseModel
+    from plexrl.worker.trainer.job import Weights
+
+FORMATS = ("peft", "hf")
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# The model files an ``hf`` export writes itself; the base directory's other files (tokenizer, ...) are copied.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def write_peft_adapter(path: Path, tensors: dict[str, Tensor], peft_config: Any) -> None:
+    """A PEFT adapter directory at ``path`` (which exists) from tensors in PEFT's saved layout."""
+    save_file({k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}, path / PEFT_WEIGHTS)
+    peft_config.save_pretrained(str(path))
+
+
+def write(path: Path, fmt: str, base: BaseModel, weights: Weights) -> None:
+    """Export ``weights`` (the trainer's) in ``fmt`` into the existing empty directory ``path``."""
+    if fmt == "peft":
+        if weights.kind != "lora":
+            raise InvalidRequestError("a full fine-tune job has no adapter to export: use format='hf'")
+        write_peft_adapter(path, dict(weights.trainer_params), weights.adapter_config())
+    elif fmt == "hf":
+        merged(base, weights).save_pretrained(str(path), safe_serialization=True)
+        for f in Path(base.path).iterdir():
+            if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith((".safetensors", ".bin", ".md")):
+                shutil.copy2(f, path / f.name)
+    else:
+        raise InvalidRequestError(f"export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+@torch.no_grad()
+def merged(base: BaseModel, weights: Weights) -> Any:
+    """A private copy of the base model with the job's trainer weights in it."""
+    model = base.copy()
+    if weights.kind == "full":
+        model.load_state_dict({k: p.detach() for k, p in weights.trainer_params.items()}, strict=False)
+        return model
+    config = weights.adapter_config()
+    scale = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+    params = dict(model.named_parameters())
+    for name, a in weights.trainer_params.items():
+        if ".lora_A." not in name:
+            continue
+        b = weights.trainer_params[name.replace(".lora_A.", ".lora_B.")]
+        layer = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+        params[f"{layer}.weight"].add_(scale * (b.detach() @ a.detach()))
+    return model

@@ -1,0 +1,64 @@
+"""The coordinator's Prometheus endpoint, scraped during a real run (coordinator and worker
+processes): workers' busy time, jobs' accelerator-seconds, and the calls' queue and run times."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import plexrl
+from plexrl.errors import CallFailedError
+from plexrl.types import Batch, Ragged, SamplingParams
+
+pytestmark = pytest.mark.asyncio
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of every family at ``url``: name -> [(labels, value)]."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+async def test_a_scrape_during_a_run_shows_workers_jobs_and_call_latencies(tiny_model: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/metrics"
+    async with plexrl.local(workers=1, metrics_port=port), plexrl.job("scraped", model=tiny_model) as job:
+        before = await asyncio.to_thread(scrape, url)
+        assert total(before, "plexrl_job_accelerator_seconds_total", name="scraped") >= 0
+        assert len(before["plexrl_worker_busy_seconds_total"]) == 1
+        await job.generate([[1, 5, 6]], SamplingParams(max_tokens=4))
+        batch = Batch(tokens=Ragged.from_rows([[1, 5, 6, 7, 8]], "int32"), prompt_lens_B=np.array([2], np.int32))
+        await job.forward_backward(batch, "cross_entropy")
+        await job.optim_step()
+        with pytest.raises(CallFailedError):
+            await job.optim_step()  # no gradients: a failed call
+        after = await asyncio.to_thread(scrape, url)
+    assert total(after, "plexrl_call_run_seconds_count", kind="generate", outcome="ok") == 1
+    assert total(after, "plexrl_call_run_seconds_count", kind="forward_backward", outcome="ok") == 1
+    assert total(after, "plexrl_call_run_seconds_count", kind="optim_step", outcome="ok") == 1
+    assert total(after, "plexrl_call_run_seconds_count", kind="optim_step", outcome="error") == 1
+    assert total(after, "plexrl_call_queue_seconds_count", kind="open") == 1
+    assert total(after, "plexrl_call_run_seconds_sum", kind="open") > 0  # a model load takes time
+    busy = total(after, "plexrl_worker_busy_seconds_total")
+    assert busy > total(before, "plexrl_worker_busy_seconds_total")
+    assert total(after, "plexrl_worker_calls_total") >= 5  # open, generate, forward_backward, 2 optim_steps
+    accel = total(after, "plexrl_job_accelerator_seconds_total", name="scraped")
+    assert 0 < accel <= busy + 1e-6  # the job's charge is its share of the worker's busy time
+    assert [lab["tenant"] for lab, _ in after["plexrl_job_accelerator_seconds_total"]] == ["local"]
