@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -207,6 +208,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True)
     _credentials(p, "client")
 
+    p = sub.add_parser("top", help="a live view of a coordinator's workers, jobs, swaps and faults")
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    _credentials(p, "client")
+
     p = sub.add_parser("keys", help="make a key directory and issue keys to workers and clients")
     keys = p.add_subparsers(dest="keys_command", required=True)
     k = keys.add_parser("init", help="a new key directory: the coordinator's key pair, empty allowlists")
@@ -295,6 +301,14 @@ def _run(args: argparse.Namespace) -> int:
         return _tinker(args)
     if args.command == "status":
         return asyncio.run(_status(args))
+    if args.command == "top":
+        from plexrl.client import top
+
+        if not args.interval > 0:
+            raise InvalidRequestError(f"--interval {args.interval}: give a number of seconds > 0")
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the way out
+            asyncio.run(top.run(args.coordinator, _load_credentials(args), args.interval))
+        return 0
     raise AssertionError(args.command)
 
 
@@ -426,31 +440,14 @@ async def _local(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    from plexrl.client import views
     from plexrl.client.connection import Client
 
     async with Client(args.coordinator, connect_timeout_s=10.0, credentials=_load_credentials(args)) as client:
         st = await client.status()
     print(f"coordinator {args.coordinator}  up {st.uptime_s:.0f} s")
-    up = max(st.uptime_s, 1e-9)
-    print(
-        f"{'worker':8} {'name':16} {'device':8} {'jobs':>4} {'calls':>7} {'busy_s':>8} {'busy%':>6} {'state/budget':>20}"
-    )
-    for w in st.workers:
-        mem = f"{_size(w.state_bytes_on_device)}/{_size(w.memory_budget_bytes)}"
-        print(
-            f"{w.worker_id:8} {w.name[:16]:16} {w.device:8} {len(w.jobs):>4} {w.calls_done:>7} {w.busy_s:>8.1f} "
-            f"{100 * w.busy_s / up:>5.1f}% {mem:>20}"
-        )
-    print(
-        f"{'job':24} {'worker':8} {'state':8} {'tier':9} {'queued':>6} {'calls':>7} {'wall_s':>8} {'accel_s':>8} "
-        f"{'cost/held':>9} {'swaps':>6} {'swap_s':>7} {'sampler':>8}"
-    )
-    for j in st.jobs:
-        print(
-            f"{(j.job_id or '(another tenant)')[:24]:24} {j.worker_id:8} {j.state:8} {j.tier:9} {j.queued:>6} {j.calls_done:>7} "
-            f"{j.wall_s:>8.1f} {j.accelerator_s:>8.2f} {j.cost_vs_held:>9.2f} {j.swaps:>6} {j.swap_s:>7.3f} "
-            f"{j.sampler_worker_id or j.worker_id:>8}"
-        )
+    print(views.plain(views.WORKER_COLUMNS, views.worker_rows(st)))
+    print(views.plain(views.JOB_COLUMNS, views.job_rows(st)))
     return 0
 
 
@@ -504,11 +501,3 @@ def parse_bytes(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be >= 0")
     return int(value)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GiB"

@@ -30,8 +30,8 @@ def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
-    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], metric: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(metric, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
 async def test_a_scrape_during_a_run_shows_workers_jobs_and_call_latencies(tiny_model: Path) -> None:
