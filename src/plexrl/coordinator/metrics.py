@@ -65,8 +65,12 @@ class _StatusCollector(Collector):
         self._status = status
         self._loop = loop
 
+    async def _scrape(self) -> m.StatusReply:
+        return await self._status()
+
     def collect(self) -> Iterator[Any]:
-        status = asyncio.run_coroutine_threadsafe(self._status(), self._loop).result(SCRAPE_TIMEOUT_S)  # type: ignore[arg-type]
+        scrape = asyncio.run_coroutine_threadsafe(self._scrape(), self._loop)
+        status: m.StatusReply = scrape.result(SCRAPE_TIMEOUT_S)
         yield GaugeMetricFamily("plexrl_uptime_seconds", "Seconds since the coordinator started", status.uptime_s)
         w_labels = ["worker", "name", "device", "role"]
         busy = CounterMetricFamily("plexrl_worker_busy_seconds", "Seconds a worker ran a call", labels=w_labels)

@@ -743,8 +743,9 @@ class Coordinator:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
         if self._metrics is not None and rec.dispatched_at:
-            done = time.monotonic()
-            self._metrics.observe(rec.call, bool(error), rec.dispatched_at - rec.submitted_at, done - rec.dispatched_at)
+            finished = time.monotonic()
+            queued, ran = rec.dispatched_at - rec.submitted_at, finished - rec.dispatched_at
+            self._metrics.observe(rec.call, bool(error), queued, ran)
         self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         self._settle_move(worker_id)
         if isinstance(rec.call, calls.Restore) and job is not None:
