@@ -72,38 +72,39 @@ class _StatusCollector(Collector):
         scrape = asyncio.run_coroutine_threadsafe(self._scrape(), self._loop)
         status: m.StatusReply = scrape.result(SCRAPE_TIMEOUT_S)
         yield GaugeMetricFamily("plexrl_uptime_seconds", "Seconds since the coordinator started", status.uptime_s)
-        w_labels = ["worker", "name", "device", "role"]
-        busy = CounterMetricFamily("plexrl_worker_busy_seconds", "Seconds a worker ran a call", labels=w_labels)
-        calls = CounterMetricFamily("plexrl_worker_calls", "Calls a worker finished", labels=w_labels)
-        used = GaugeMetricFamily("plexrl_worker_state_bytes", "Jobs' state on a worker's device", labels=w_labels)
-        budget = GaugeMetricFamily("plexrl_worker_memory_budget_bytes", "A worker's device budget for jobs' state",
-                                   labels=w_labels)  # fmt: skip
-        moves = CounterMetricFamily("plexrl_worker_role_moves", "A worker's moves between training and rollout",
-                                    labels=w_labels)  # fmt: skip
-        for w in status.workers:
-            values = [w.worker_id, w.name, w.device, w.role]
-            busy.add_metric(values, w.busy_s)
-            calls.add_metric(values, w.calls_done)
-            used.add_metric(values, w.state_bytes_on_device)
-            budget.add_metric(values, w.memory_budget_bytes)
-            moves.add_metric(values, w.role_moves)
-        yield from (busy, calls, used, budget, moves)
-        j_labels = ["job", "name", "tenant", "worker"]
-        accel = CounterMetricFamily("plexrl_job_accelerator_seconds", "Device-seconds charged to a job",
-                                    labels=j_labels)  # fmt: skip
-        swaps = CounterMetricFamily("plexrl_job_swaps", "Moves of a job's state between device and host",
-                                    labels=j_labels)  # fmt: skip
-        swap_bytes = CounterMetricFamily("plexrl_job_swap_bytes", "Bytes of those moves", labels=j_labels)
-        swap_s = CounterMetricFamily("plexrl_job_swap_seconds", "Seconds of those moves", labels=j_labels)
-        queued = GaugeMetricFamily("plexrl_job_queued_calls", "A job's calls waiting at the coordinator",
-                                   labels=j_labels)  # fmt: skip
-        running = GaugeMetricFamily("plexrl_job_running", "1 while a call of the job runs", labels=j_labels)
-        for j in status.jobs:
-            values = [j.job_id, j.name, j.owner, j.worker_id]
-            accel.add_metric(values, j.accelerator_s)
-            swaps.add_metric(values, j.swaps)
-            swap_bytes.add_metric(values, j.swap_bytes)
-            swap_s.add_metric(values, j.swap_s)
-            queued.add_metric(values, j.queued)
-            running.add_metric(values, 1.0 if j.running else 0.0)
-        yield from (accel, swaps, swap_bytes, swap_s, queued, running)
+        yield from _families(WORKER_METRICS, ["worker", "name", "device", "role"], status.workers,
+                             lambda w: [w.worker_id, w.name, w.device, w.role])  # fmt: skip
+        yield from _families(JOB_METRICS, ["job", "name", "tenant", "worker"], status.jobs,
+                             lambda j: [j.job_id, j.name, j.owner, j.worker_id])  # fmt: skip
+
+
+# (name, counter or gauge, help, value): one family per row, one sample per worker / job.
+WORKER_METRICS: list[tuple[str, bool, str, Callable[[Any], float]]] = [
+    ("plexrl_worker_busy_seconds", True, "Seconds a worker ran a call", lambda w: w.busy_s),
+    ("plexrl_worker_calls", True, "Calls a worker finished", lambda w: w.calls_done),
+    ("plexrl_worker_state_bytes", False, "Jobs' state on a worker's device", lambda w: w.state_bytes_on_device),
+    ("plexrl_worker_memory_budget_bytes", False, "A worker's device budget for jobs' state",
+     lambda w: w.memory_budget_bytes),
+    ("plexrl_worker_role_moves", True, "A worker's moves between training and rollout", lambda w: w.role_moves),
+]  # fmt: skip
+JOB_METRICS: list[tuple[str, bool, str, Callable[[Any], float]]] = [
+    ("plexrl_job_accelerator_seconds", True, "Device-seconds charged to a job", lambda j: j.accelerator_s),
+    ("plexrl_job_swaps", True, "Moves of a job's state between device and host", lambda j: j.swaps),
+    ("plexrl_job_swap_bytes", True, "Bytes of those moves", lambda j: j.swap_bytes),
+    ("plexrl_job_swap_seconds", True, "Seconds of those moves", lambda j: j.swap_s),
+    ("plexrl_job_queued_calls", False, "A job's calls waiting at the coordinator", lambda j: j.queued),
+    ("plexrl_job_running", False, "1 while a call of the job runs", lambda j: 1.0 if j.running else 0.0),
+]  # fmt: skip
+
+
+def _families(
+    metrics: list[tuple[str, bool, str, Callable[[Any], float]]],
+    labels: list[str],
+    items: list[Any],
+    label_values: Callable[[Any], list[str]],
+) -> Iterator[Any]:
+    for name, counter, doc, value in metrics:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=labels)
+        for item in items:
+            family.add_metric(label_values(item), value(item))
+        yield family
