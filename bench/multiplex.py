@@ -55,6 +55,7 @@ import argparse
 import asyncio
 import dataclasses
 import hashlib
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ from plexrl.protocol.messages import JobInfo
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, QWEN3, grpo_job
 from plexrl.tasks import get_task
+from plexrl.trace import chrome_trace
 
 TASK = get_task("sum")
 TOKENIZER = CharTokenizer()
@@ -445,17 +447,21 @@ def plot(shared: Shared | None, sim: SimResult | None, frontier: dict[str, list[
             ax.set_title("(a) real, contended: all jobs on one worker under plex — calls in flight (gaps: tools)")
         if sim is not None:
             ax = axes[k][0]
-            devices = sorted({d for d, *_ in sim.timeline}, key=lambda d: int(d[1:]))
+            devices = sorted({s.device for s in sim.timeline}, key=lambda d: int(d[1:]))
             lanes = {d: i for i, d in enumerate(devices)}
-            color = {j: cmap(i % 20) for i, j in enumerate(sorted({j for _, j, *_ in sim.timeline}))}
-            for d, j, a, b in sim.timeline:
-                ax.broken_barh([(a / 60, (b - a) / 60)], (lanes[d] - 0.4, 0.8), color=color[j])
+            color = {j: cmap(i % 20) for i, j in enumerate(sorted({s.job for s in sim.timeline}))}
+            for s in sim.timeline:
+                ax.broken_barh([(s.start_s / 60, (s.end_s - s.start_s) / 60)], (lanes[s.device] - 0.4, 0.8),
+                               color=color[s.job])  # fmt: skip
             ax.set_yticks(range(len(devices)), devices, fontsize=6)
             ax.set_xlabel("minutes")
             ax.set_title("(b) simulated: plex at its best pool size — which job's call runs on each device")
         fig.tight_layout()
         paths.append(out / "timeline.png")
         fig.savefig(paths[-1], dpi=110)
+        if sim is not None:  # the same calls for a trace viewer (ui.perfetto.dev), as `plexrl trace` writes a real run
+            paths.append(out / "sim-trace.json")
+            paths[-1].write_text(json.dumps(chrome_trace(sim.timeline, "simulated plex")))
     if frontier:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for policy, points in frontier.items():

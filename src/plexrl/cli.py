@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import re
@@ -208,6 +209,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True)
     _credentials(p, "client")
 
+    p = sub.add_parser("trace", help="write the coordinator's recent calls as a Chrome/Perfetto trace file")
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--out", default="plexrl-trace.json", help="the trace file (open it in ui.perfetto.dev)")
+    _credentials(p, "client")
+
     p = sub.add_parser("top", help="a live view of a coordinator's workers, jobs, swaps and faults")
     p.add_argument("--coordinator", required=True)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
@@ -301,6 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         return _tinker(args)
     if args.command == "status":
         return asyncio.run(_status(args))
+    if args.command == "trace":
+        return asyncio.run(_trace(args))
     if args.command == "top":
         from plexrl.client import top
 
@@ -436,6 +444,19 @@ async def _local(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+    return 0
+
+
+async def _trace(args: argparse.Namespace) -> int:
+    from plexrl.client.connection import Client
+    from plexrl.trace import chrome_trace
+
+    async with Client(args.coordinator, connect_timeout_s=10.0, credentials=_load_credentials(args)) as client:
+        reply = await client.trace()
+    with open(args.out, "w") as f:
+        json.dump(chrome_trace(reply.spans, title=args.coordinator), f)
+    older = f" ({reply.dropped} older calls no longer kept)" if reply.dropped else ""
+    print(f"{len(reply.spans)} calls{older} -> {args.out} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 

@@ -95,7 +95,7 @@ def _one_generate(base: str) -> JobModel:
 )
 def test_generates_batched_on_a_device_share_the_weight_reads_of_their_base(bases: list[str], seconds: float) -> None:
     result = Simulation("plex", 1, [_one_generate(b) for b in bases], slots=4, record_timeline=True).run()
-    generates = [(end - start) for _, _, start, end in result.timeline][: len(bases)]
+    generates = [(s.end_s - s.start_s) for s in result.timeline][: len(bases)]
     assert generates == pytest.approx([seconds] * len(bases))
     assert sum(j.accelerator_s for j in result.jobs) == pytest.approx(sum(result.busy_s.values()))
 
@@ -156,6 +156,6 @@ def test_a_tensor_parallel_worker_runs_a_decode_round_in_a_share_of_the_time_plu
                    pooled=True, prompt_tokens=0, observation_tokens=0)  # fmt: skip
     specs = [WorkerSpec("rollout", 0, 1, tp=4, comm_s=0.001), WorkerSpec("train")]
     result = Simulation("fifo", 2, [one], seed=0, worker_specs=specs, record_timeline=True).run()
-    (turn,) = [(start, end) for w, _, start, end in result.timeline if w == "w0"]
+    (turn,) = [(s.start_s, s.end_s) for s in result.timeline if s.device == "w0"]
     assert turn[1] - turn[0] == pytest.approx(100 * (0.01 / 4 + 0.001))
     assert result.held_s["w0"] == pytest.approx(4 * (turn[1] - turn[0]))  # four devices held

@@ -307,6 +307,11 @@ class Client:
         """The coordinator's view of workers and jobs, once ``min_workers`` have registered."""
         return await self.request(m.StatusRequest(min_workers=min_workers), expect(m.StatusReply))
 
+    async def trace(self) -> m.TraceReply:
+        """The most recent calls of your jobs (an admin key: of every job) as spans, oldest first;
+        ``plexrl.trace.chrome_trace(reply.spans)`` makes a trace file of them."""
+        return await self.request(m.TraceRequest(), expect(m.TraceReply))
+
     # -- loops ----------------------------------------------------------------------------------
 
     def _on_frames(self, frames: Frames) -> None:
@@ -407,7 +412,7 @@ class Client:
                         self._drop(req)
                         req.fut.cancel()
                         continue
-                    if isinstance(req.msg, m.StatusRequest):
+                    if isinstance(req.msg, m.StatusRequest | m.TraceRequest):
                         self._drop(req)
                         self._send(req)
                     elif isinstance(req.msg, m.OpenJob) and req.msg.token:

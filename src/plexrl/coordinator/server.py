@@ -25,7 +25,7 @@ from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.coordinator.journal import JobRow, Journal
-from plexrl.coordinator.metrics import Metrics
+from plexrl.coordinator.metrics import Metrics, call_kind
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.errors import (
     CallAbortedError,
@@ -46,6 +46,7 @@ from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
 from plexrl.protocol.liveness import Liveness
 from plexrl.protocol.pump import Frames, Pump
+from plexrl.trace import Span
 
 log = logging.getLogger("plexrl.coordinator")
 
@@ -62,7 +63,8 @@ PROGRESSING = frozenset({"generate", "logprobs", "forward_backward", "optim_step
 STATEFUL = (calls.ForwardBackward, calls.OptimStep, calls.SyncWeights, calls.Load)
 NEW_WEIGHTS = (calls.SyncWeights, calls.Load)
 _WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
-_CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.Reattach)
+_CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.TraceRequest, m.Reattach)
+TRACE_SPANS = 100_000  # the most recent calls kept for `plexrl trace`
 
 
 @dataclass
@@ -241,6 +243,10 @@ class Coordinator:
         self._hung: set[bytes] = set()  # call sockets of workers declared hung (told to exit)
         self._journal = None if config.journal is None else Journal(config.journal)
         self._metrics = None if config.metrics_port is None else Metrics()
+        # Finished calls as spans (the job's owner beside each), the most recent TRACE_SPANS.
+        self._spans: collections.deque[tuple[str, Span]] = collections.deque(maxlen=TRACE_SPANS)
+        self._spans_recorded = 0
+        self._clock_zero = time.monotonic()
         self.metrics_address = ""  # http://host:port/metrics once serving
         if self._journal is not None:
             self._job_ids = itertools.count(max(1, self._journal.counter("next_job")))
@@ -436,7 +442,9 @@ class Coordinator:
                     self._send(ident, m.Heartbeat(rid=rid))
             case m.Heartbeat(rid=rid):
                 self._send(ident, m.Heartbeat(rid=rid, known=ident in self._clients))
-            case m.OpenJob() | m.Submit() | m.Cancel() | m.StatusRequest() | m.Reattach() if ident not in self._clients:
+            case m.OpenJob() | m.Submit() | m.Cancel() | m.StatusRequest() | m.TraceRequest() | m.Reattach() if (
+                ident not in self._clients
+            ):
                 raise UnknownClientError(
                     "this connection has not said Hello to this coordinator (it restarted, or declared your "
                     "client gone): say Hello, then reattach your jobs (plexrl's client does both by itself)"
@@ -459,6 +467,8 @@ class Coordinator:
                 self._submit(ident, msg)
             case m.Cancel(call_rid=call_rid):
                 self._cancel(ident, call_rid)
+            case m.TraceRequest(rid=rid):
+                self._send(ident, self._trace(rid, self._peers[ident]))
             case m.StatusRequest(rid=rid, min_workers=n):
                 if len(self._workers) >= n:
                     self._send(ident, self._status(rid, self._peers[ident]))
@@ -742,10 +752,8 @@ class Coordinator:
         elif rec.client:
             self._send(rec.client, m.ErrorReply(rid=rec.client_rid, code=msg.code, message=msg.message))
         error = msg.message if isinstance(msg, m.ErrorReply) else ""
-        if self._metrics is not None and rec.dispatched_at:
-            finished = time.monotonic()
-            queued, ran = rec.dispatched_at - rec.submitted_at, finished - rec.dispatched_at
-            self._metrics.observe(rec.call, bool(error), queued, ran)
+        if rec.dispatched_at:
+            self._record_span(worker_id, rec, bool(error), job.owner if job is not None else "")
         self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
         self._settle_move(worker_id)
         if isinstance(rec.call, calls.Restore) and job is not None:
@@ -1034,6 +1042,25 @@ class Coordinator:
 
     def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
+
+    def _record_span(self, worker_id: str, rec: _CallRecord, error: bool, owner: str) -> None:
+        """A finished call into the trace (and the metrics' latency histograms)."""
+        finished = time.monotonic()
+        queued, ran = rec.dispatched_at - rec.submitted_at, finished - rec.dispatched_at
+        if self._metrics is not None:
+            self._metrics.observe(rec.call, error, queued, ran)
+        worker = self._workers.get(worker_id)
+        start = rec.dispatched_at - self._clock_zero
+        span = Span(device=worker.info.name if worker is not None else worker_id, job=rec.job_id,
+                    kind=call_kind(rec.call), start_s=start, end_s=start + ran, queued_s=queued,
+                    outcome="error" if error else "ok")  # fmt: skip
+        self._spans.append((owner, span))
+        self._spans_recorded += 1
+
+    def _trace(self, rid: int, asker: _Peer) -> m.TraceReply:
+        """The asker's jobs' spans (an admin's: everyone's)."""
+        spans = [s for owner, s in self._spans if asker.admin or owner == asker.tenant]
+        return m.TraceReply(rid=rid, spans=spans, dropped=self._spans_recorded - len(self._spans))
 
     async def _admin_status(self) -> m.StatusReply:
         """Everything ``plexrl status`` shows an admin (the metrics endpoint's scrape)."""

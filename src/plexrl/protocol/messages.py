@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from plexrl.protocol.calls import Call, JobSpec, Opened, Result
+from plexrl.trace import Span
 
 PROTOCOL_VERSION = 1
 
@@ -119,6 +120,10 @@ class StatusRequest(Envelope, tag="status", frozen=True):
     min_workers: int = 0  # answer only once at least this many workers are registered
 
 
+class TraceRequest(Envelope, tag="trace", frozen=True):
+    """The calls the coordinator has kept a record of (the most recent ones), as spans."""
+
+
 class Reattach(Envelope, tag="reattach", frozen=True):
     """Take over this tenant's job ``name`` whose client went away (answered ``Reattached``); if
     that client is not yet declared gone, the answer waits until it is. ``job_id``: that job of
@@ -195,6 +200,11 @@ class JobInfo(msgspec.Struct, frozen=True):
         return self.accelerator_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+class TraceReply(Envelope, tag="trace_reply", frozen=True):
+    spans: list[Span]  # the asker's jobs' calls (an admin's: every job's), oldest first
+    dropped: int = 0  # older calls no longer kept
+
+
 class StatusReply(Envelope, tag="status_reply", frozen=True):
     workers: list[WorkerInfo]
     jobs: list[JobInfo]
@@ -253,8 +263,8 @@ class Abort(Envelope, tag="abort", frozen=True):
     ``CallAbortedError``. A call the engine cannot interrupt finishes as usual."""
 
 
-ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | Reattach | Heartbeat
-CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | Reattached | Heartbeat | Shutdown
+ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | TraceRequest | Reattach | Heartbeat
+CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | TraceReply | Reattached | Heartbeat | Shutdown
 WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | Heartbeat
 CoordinatorToWorker = Registered | Execute | MoveState | Abort | Heartbeat | Shutdown
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
@@ -264,6 +274,7 @@ ToCoordinator = (
     | Submit
     | Cancel
     | StatusRequest
+    | TraceRequest
     | Reattach
     | Heartbeat
     | Register

@@ -32,6 +32,7 @@ import numpy as np
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, program
+from plexrl.trace import Span
 
 _EPS = 1e-9
 
@@ -75,7 +76,7 @@ class SimResult:
     end_s: float
     swaps: int = 0
     swap_s: float = 0.0
-    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)  # (device, job, start, end)
+    timeline: list[Span] = field(default_factory=list)  # each call, as plexrl.trace writes real runs' calls
     role_moves: int = 0  # workers moved between rollout and training
 
     @property
@@ -177,7 +178,7 @@ class Simulation:
         self.memory_bytes, self.swap_bytes_per_s, self.tick_s = memory_bytes, swap_bytes_per_s, tick_s
         self.record_timeline = record_timeline
         self._swaps, self._swap_s, self._left = 0, 0.0, 0
-        self._timeline: list[tuple[str, str, float, float]] = []
+        self._timeline: list[Span] = []
         self.scheduler = scheduler or sch.Scheduler(policy)
         self.move_s = move_s
         self._moves: dict[str, str] = {}  # worker -> the role it is moving to (draining its calls)
@@ -349,7 +350,7 @@ class Simulation:
         device.completing = True
         for r in done:
             if self.record_timeline:
-                self._timeline.append((worker_id, r.job_id, r.started_s, self.now))
+                self._timeline.append(Span(worker_id, r.job_id, r.work.kind, r.started_s, self.now))
             self._handle(ev.CallFinished(r.call_id))
             result = self._jobs[r.job_id].result
             result.trained_samples += r.work.samples

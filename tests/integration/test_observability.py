@@ -1,10 +1,14 @@
-"""The coordinator's Prometheus endpoint, scraped during a real run (coordinator and worker
-processes): workers' busy time, jobs' accelerator-seconds, and the calls' queue and run times."""
+"""Observability of a real run (coordinator and worker processes): the Prometheus endpoint, scraped
+during it (workers' busy time, jobs' accelerator-seconds, the calls' queue and run times), and
+``plexrl trace``'s file of its calls (a valid trace, a tenant's own jobs only)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import plexrl
 from plexrl.errors import CallFailedError
+from plexrl.protocol import auth
+from plexrl.trace import JOBS_PID, check_trace
 from plexrl.types import Batch, Ragged, SamplingParams
 
 pytestmark = pytest.mark.asyncio
@@ -62,3 +68,31 @@ async def test_a_scrape_during_a_run_shows_workers_jobs_and_call_latencies(tiny_
     accel = total(after, "plexrl_job_accelerator_seconds_total", name="scraped")
     assert 0 < accel <= busy + 1e-6  # the job's charge is its share of the worker's busy time
     assert [lab["tenant"] for lab, _ in after["plexrl_job_accelerator_seconds_total"]] == ["local"]
+
+
+async def test_plexrl_trace_writes_a_valid_trace_of_the_calls_and_a_tenant_sees_its_own(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    cluster = plexrl.local(workers=1)
+    async with cluster, plexrl.job("traced", model=tiny_model) as job:
+        for _ in range(3):
+            await job.generate([[1, 5, 6]], SamplingParams(max_tokens=4))
+        await job.sync_weights()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plexrl", "trace", "--coordinator", cluster.address, "--out", str(tmp_path / "t.json"),
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, **cluster.client_env()},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(cli.communicate(), timeout=60)
+        assert cli.returncode == 0 and b"t.json" in out
+        assert cluster.keys is not None
+        secret = auth.add_key(cluster.keys, "other", "client")
+        creds = auth.Credentials.load(secret, cluster.keys / "coordinator.key")
+        async with plexrl.connect(cluster.address, credentials=creds) as other:
+            assert (await other.trace()).spans == []  # another tenant's calls are not theirs to see
+    trace = json.loads((tmp_path / "t.json").read_text())
+    check_trace(trace)
+    mine = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == JOBS_PID and e["cat"] == "call"]
+    assert [e["name"] for e in mine] == ["open", "generate", "generate", "generate", "sync_weights"]
+    assert all(e["args"]["device"] == "local-0" and e["args"]["outcome"] == "ok" for e in mine)
+    starts = [e["ts"] for e in mine]
+    assert starts == sorted(starts) and all(e["dur"] > 0 for e in mine)
