@@ -33,7 +33,7 @@ def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tin
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite, vLLM sampler and Tinker cookbook tests included (integration tests start real processes)."""
-    _install(session, vllm=True, extras="dev,tinker,cookbook")
+    _install(session, vllm=True, extras="dev,tinker,cookbook,docs")
     session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env={"PLEXRL_REQUIRE_VLLM": "1"})
 
 
@@ -48,6 +48,13 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     _install(session)
     session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The docs site in strict mode (a warning, a broken internal link included, fails it): docs/_build/html."""
+    _install(session, extras="docs")
+    session.run("python", "-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
 
 
 @nox.session

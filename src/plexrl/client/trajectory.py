@@ -1,5 +1,7 @@
 """Multi-turn trajectories, token in / token out: an agent's LLM turns and the tools between them.
 
+An agent's loop::
+
     traj = job.trajectory(prompt_tokens, max_turns=4, max_tokens=1024, turn_timeout_s=60)
     while (turn := await traj.generate(params)) is not None:
         action = tokenizer.decode(turn.tokens)
