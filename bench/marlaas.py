@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 import plexrl
+from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import completion, play, turn_params
 from plexrl.sim import JobModel, Lognormal, Simulation
@@ -331,16 +332,18 @@ async def warm_up(args: Any) -> None:
 async def measure(args: Any) -> tuple[list[Mode], list[Mode], int]:
     tasks = specs(args.tasks)
     solo: list[Mode] = []
+    view = LiveView(["solo", "together"], args.repeats * len(tasks), log_every=len(tasks) // 4 or 1)
     async with cluster(args, None) as client:
         await warm_up(args)
         for rep in range(args.repeats):
             before, runs = await device(client), []
             for spec in tasks:
                 runs.append(await task_run(spec, rep, args, time.perf_counter()))
-                print(f"  solo, repetition {rep + 1}: {spec.name} (rank {spec.rank}) {runs[-1].wall_s:.1f} s, "
-                      f"held-out {runs[-1].final_reward:.3f}", flush=True)  # fmt: skip
+                view.update("solo", done=rep * len(tasks) + len(runs),
+                            last=f"{spec.name} (rank {spec.rank}) {runs[-1].wall_s:.1f} s, held-out "
+                                 f"{runs[-1].final_reward:.3f}")  # fmt: skip
             solo.append(Mode(runs, sum(r.wall_s for r in runs), await device(client) - before))
-            print(f"  solo, repetition {rep + 1}: {solo[-1].e2e_s:.1f} s", flush=True)
+            view.update("solo", **{f"rep{rep + 1}": f"{solo[-1].e2e_s:.1f} s"})
     budget = int(args.budget_jobs * max(r.state_bytes for r in solo[0].runs))
     together: list[Mode] = []
     async with cluster(args, budget) as client:
@@ -350,8 +353,8 @@ async def measure(args: Any) -> tuple[list[Mode], list[Mode], int]:
             runs = list(await asyncio.gather(*(task_run(spec, rep, args, t0) for spec in tasks)))
             span = max(r.end for r in runs) - min(r.start for r in runs)
             together.append(Mode(runs, span, await device(client) - before))
-            print(f"  together, repetition {rep + 1}: {span:.1f} s (budget {budget} B, "
-                  f"{sum(r.swaps for r in runs)} swaps)", flush=True)  # fmt: skip
+            view.update("together", done=(rep + 1) * len(tasks),
+                        **{f"rep{rep + 1}": f"{span:.1f} s ({sum(r.swaps for r in runs)} swaps)"})  # fmt: skip
     return solo, together, budget
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from live import LiveView
 
 import plexrl
+from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.tasks import TASKS, Task, get_task
 
@@ -44,7 +44,7 @@ async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView,
     lora, adamw = plexrl.LoRA(rank=args.rank), plexrl.AdamW(lr=args.lr)
     async with plexrl.job(task.name, model=args.model, lora=lora, optimizer=adamw, seed=seed) as job:
         initial = await held_out_reward(job, task, args.max_tokens)
-        view.update(task.name, held_out=f"{initial:.2f} → …")
+        view.update(task.name, held_out=f"{initial:.2f} -> ...")
         for step in range(1, args.steps + 1):
             problems = task.sample(args.prompts, rng)
             prompts = [TOKENIZER.encode(p.prompt) for p in problems]
@@ -52,7 +52,7 @@ async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView,
             rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
             result = await plexrl.optimize(plexrl.grpo_batch(prompts, out, rewards), loss="grpo")
             await job.sync_weights()
-            view.update(task.name, step=step, reward=float(np.mean(rewards)))
+            view.update(task.name, done=step, reward=float(np.mean(rewards)))
             log(
                 job=task.name,
                 step=step,
@@ -62,7 +62,7 @@ async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView,
                 **result.metrics,
             )
         final = await held_out_reward(job, task, args.max_tokens)
-        view.update(task.name, held_out=f"{initial:.2f} → {final:.2f}")
+        view.update(task.name, held_out=f"{initial:.2f} -> {final:.2f}")
     return {
         "job": task.name,
         "seed": seed,

@@ -23,6 +23,7 @@ import contextlib
 import numpy as np
 
 import plexrl
+from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import completion, play, train_async, turn_params
 from plexrl.tasks import get_task
@@ -65,11 +66,12 @@ async def main(args: argparse.Namespace) -> None:
             return list(trajs), [TASK.score(problem, response(t)) for t in trajs]
 
         loss = "decoupled_ppo" if args.max_staleness else "grpo"  # k = 0: synchronous, on-policy
+        view = LiveView(["search-agent"], args.steps, log_every=1)
         async for step in train_async(job, group, groups_per_step=args.prompts, steps=args.steps, loss=loss):
             m = step.result.metrics
-            print(f"step {step.step:3d}  reward {np.mean(step.rewards):.3f}  loss {step.result.loss:+.4f}  "
-                  f"staleness mean {m.get('staleness_mean', 0):.2f} max {m.get('staleness_max', 0):.0f}  "
-                  f"dropped {step.dropped}", flush=True)  # fmt: skip
+            view.update("search-agent", done=step.step, reward=float(np.mean(step.rewards)), loss=step.result.loss,
+                        staleness=f"{m.get('staleness_mean', 0):.2f} (max {m.get('staleness_max', 0):.0f})",
+                        dropped=step.dropped)  # fmt: skip
         after, greedy_after, final = await held_out(job)
     counts = collections.Counter(len(t.turns) for t in final)
     hit = plexrl.prefix_cache_hit_rate(final)

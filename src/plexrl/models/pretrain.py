@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from plexrl.live import LiveView
 from plexrl.models.tiny import TINY_CONFIG
 from plexrl.models.tokenizer import ALPHABET, SPECIAL_TOKENS, VOCAB_SIZE, CharTokenizer, write_hf_tokenizer
 from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task
@@ -127,6 +128,7 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
     counts = {name: recipe.problems_below_band for name in recipe.tasks}
+    view = LiveView(["pretrain"], recipe.max_steps, log_every=recipe.check_every)
     for step in range(1, recipe.max_steps + 1):
         model.train()
         rows = [
@@ -139,16 +141,14 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        if step % recipe.check_every and step != recipe.max_steps:
+            view.update("pretrain", done=step, loss=loss)  # the check below shows the others
         if step % recipe.check_every == 0 or step == recipe.max_steps:
             model.eval()
             accuracy = {name: greedy_accuracy(model, TASKS[name], validation[name]) for name in recipe.tasks}
             counts = {name: _problems_per_step(a, recipe) for name, a in accuracy.items()}
-            shown = "  ".join(f"{name} {a:.2f}" for name, a in accuracy.items())
-            print(
-                f"step {step}  loss {loss:.4f}  elapsed {time.monotonic() - start:.0f}s  "
-                f"validation greedy accuracy: {shown}",
-                flush=True,
-            )
+            shown = " ".join(f"{name} {a:.2f}" for name, a in accuracy.items())
+            view.update("pretrain", done=step, loss=loss, validation=shown)
             if all(recipe.band[0] <= a <= recipe.band[1] for a in accuracy.values()):
                 return model.eval(), step
             if not any(counts.values()):
