@@ -2,8 +2,9 @@
 
 A real run (``plexrl trace --coordinator ADDR --out run.json``, or ``client.trace()``) and a
 simulated one (``Simulation(..., record_timeline=True)``) give the same ``Span`` list, so both open
-in the same viewer: one track per device (which job's call runs), and one per job (its calls,
-each after the time it waited at the coordinator).
+in the same viewer: one track per device (which job's call runs, and moves of jobs' state between
+device and host), and one per job (its calls, each after the time it waited at the coordinator,
+and the tool waits its trajectories reported).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ DEVICES_PID, JOBS_PID = 1, 2
 
 
 class Span(msgspec.Struct, frozen=True):
-    device: str  # the worker (a simulated device) that ran the call
+    device: str  # the worker (a simulated device) that ran the call; "": none (a tool wait, job track only)
     job: str
-    kind: str  # generate, forward_backward, optim_step, ... (a simulated run's work kind)
+    kind: str  # generate, forward_backward, optim_step, ..., swap_to_device / swap_to_host, tool
     start_s: float  # seconds since the run (the coordinator) started
     end_s: float
     queued_s: float = 0.0  # waited at the coordinator before start_s
@@ -28,7 +29,7 @@ class Span(msgspec.Struct, frozen=True):
 def chrome_trace(spans: list[Span], title: str = "plexrl") -> dict[str, Any]:
     """The trace event JSON object: complete ("X") events on a device track and a job track each,
     a "queued" event before a call that waited, and the tracks' names as metadata ("M") events."""
-    devices = {d: i for i, d in enumerate(sorted({s.device for s in spans}))}
+    devices = {d: i for i, d in enumerate(sorted({s.device for s in spans if s.device}))}
     jobs = {j: i for i, j in enumerate(sorted({s.job for s in spans}))}
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": DEVICES_PID, "tid": 0, "args": {"name": f"{title}: devices"}},
@@ -41,8 +42,9 @@ def chrome_trace(spans: list[Span], title: str = "plexrl") -> dict[str, Any]:
     for s in sorted(spans, key=lambda s: s.start_s):
         ts, dur = round(s.start_s * 1e6, 3), round(max(0.0, s.end_s - s.start_s) * 1e6, 3)
         args = {"job": s.job, "device": s.device, "outcome": s.outcome}
-        events.append({"name": s.kind, "cat": "call", "ph": "X", "ts": ts, "dur": dur, "pid": DEVICES_PID,
-                       "tid": devices[s.device], "args": args})  # fmt: skip
+        if s.device:
+            events.append({"name": s.kind, "cat": "call", "ph": "X", "ts": ts, "dur": dur, "pid": DEVICES_PID,
+                           "tid": devices[s.device], "args": args})  # fmt: skip
         events.append({"name": s.kind, "cat": "call", "ph": "X", "ts": ts, "dur": dur, "pid": JOBS_PID,
                        "tid": jobs[s.job], "args": args})  # fmt: skip
         if s.queued_s > 0:

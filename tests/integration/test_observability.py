@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import plexrl
 from plexrl.errors import CallFailedError
 from plexrl.protocol import auth
-from plexrl.trace import JOBS_PID, check_trace
+from plexrl.trace import JOBS_PID, check_trace, chrome_trace
 from plexrl.types import Batch, Ragged, SamplingParams
 
 pytestmark = pytest.mark.asyncio
@@ -96,3 +96,30 @@ async def test_plexrl_trace_writes_a_valid_trace_of_the_calls_and_a_tenant_sees_
     assert all(e["args"]["device"] == "local-0" and e["args"]["outcome"] == "ok" for e in mine)
     starts = [e["ts"] for e in mine]
     assert starts == sorted(starts) and all(e["dur"] > 0 for e in mine)
+
+
+async def test_a_trace_shows_state_swaps_on_the_device_and_tool_waits_on_the_job(tiny_model: Path) -> None:
+    """Two jobs under a budget that holds one job's state: their calls move state in and out. A
+    trajectory's reported tool latency becomes a ``tool`` span before its next turn."""
+    cluster = plexrl.local(workers=1, policy="plex", memory_budget_bytes=(3 << 20) // 2)  # 1.5 jobs' state
+    async with (
+        cluster,
+        plexrl.job("first", model=tiny_model) as first,
+        plexrl.job("second", model=tiny_model) as second,
+    ):
+        for _ in range(2):
+            for job in (first, second):
+                await job.generate([[1, 5, 6]], SamplingParams(max_tokens=2))
+        traj = first.trajectory([1, 5, 6], max_turns=2)
+        assert await traj.generate(SamplingParams(max_tokens=2)) is not None
+        traj.observe([7, 8], ok=True, latency_s=0.25)
+        await traj.generate(SamplingParams(max_tokens=2))
+        assert cluster.client is not None
+        spans = (await cluster.client.trace()).spans
+    swaps = [s for s in spans if s.kind.startswith("swap_to_")]
+    assert {s.kind for s in swaps} == {"swap_to_host", "swap_to_device"} and all(s.device == "local-0" for s in swaps)
+    (tool,) = [s for s in spans if s.kind == "tool"]
+    assert tool.job == first.job_id and tool.device == "" and tool.end_s - tool.start_s == pytest.approx(0.25)
+    turns = [s for s in spans if s.job == first.job_id and s.kind == "generate"]
+    assert turns[-1].start_s >= tool.end_s  # the turn after the tool ran after it
+    check_trace(chrome_trace(spans))

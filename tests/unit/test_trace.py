@@ -45,3 +45,14 @@ def test_a_queued_call_gets_a_queued_span_ending_where_it_starts() -> None:
 def test_the_checker_refuses_what_a_viewer_would_not_read(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         check_trace(bad)
+
+
+def test_a_span_without_a_device_is_on_its_jobs_track_only() -> None:
+    trace = chrome_trace([Span("", "a-1", "tool", 1.0, 1.5), Span("w0", "a-1", "generate", 1.5, 2.0)])
+    check_trace(trace)
+    tool = [e for e in trace["traceEvents"] if e["name"] == "tool"]
+    assert [e["pid"] for e in tool] == [JOBS_PID]
+    devices = [
+        e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name" and e["pid"] == DEVICES_PID
+    ]
+    assert devices == ["w0"]

@@ -188,6 +188,7 @@ class Trajectory:
             retries=sum(max(0, t.tool_calls - 1) for t in self.turns),
             tokens=self._length,
             token_budget=self.max_tokens or 0,
+            tool_s=self.turns[-1].latency_s if self.turns else 0.0,
         )
 
     def stop(self, reason: str = "done") -> None:

@@ -610,6 +610,9 @@ class Coordinator:
         self._calls_of_tenant[tenant] += 1
         self._bytes_of_tenant[tenant] += nbytes
         self._call_of[(ident, msg.rid)] = call_id
+        if msg.turn is not None and msg.turn.tool_s > 0:  # the tools the trajectory waited on before this turn
+            now = time.monotonic() - self._clock_zero
+            self._record(job.owner, Span("", job.job_id, "tool", now - msg.turn.tool_s, now))
         turn = msg.turn if job.pooled else None  # other jobs' generates run where their job's sampler is
         trajectory, signals = ("", ev.TurnSignals()) if turn is None else (turn.trajectory, _signals(turn))
         kind = calls.CALL_KIND[type(msg.call)]
@@ -920,6 +923,12 @@ class Coordinator:
         del self._moves[msg.rid]
         if msg.error:
             log.error("worker %s could not move job %s's state to %s: %s", worker_id, msg.job_id, msg.to, msg.error)
+        job = self._jobs.get(msg.job_id)
+        if job is not None and worker_id is not None:
+            now = time.monotonic() - self._clock_zero
+            span = Span(self._device_name(worker_id), msg.job_id, f"swap_to_{msg.to}", now - msg.seconds, now,
+                        outcome="error" if msg.error else "ok")  # fmt: skip
+            self._record(job.owner, span)
         self._apply(ev.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
 
     def _forget(self, rec: _CallRecord) -> None:
@@ -1044,18 +1053,24 @@ class Coordinator:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
 
     def _record_span(self, worker_id: str, rec: _CallRecord, error: bool, owner: str) -> None:
-        """A finished call into the trace (and the metrics' latency histograms)."""
+        """A finished call into the trace (and the metrics' latency histograms). Swaps and tool
+        waits go into it too (``_on_state_moved``, ``_submit``)."""
         finished = time.monotonic()
         queued, ran = rec.dispatched_at - rec.submitted_at, finished - rec.dispatched_at
         if self._metrics is not None:
             self._metrics.observe(rec.call, error, queued, ran)
-        worker = self._workers.get(worker_id)
         start = rec.dispatched_at - self._clock_zero
-        span = Span(device=worker.info.name if worker is not None else worker_id, job=rec.job_id,
-                    kind=call_kind(rec.call), start_s=start, end_s=start + ran, queued_s=queued,
-                    outcome="error" if error else "ok")  # fmt: skip
+        span = Span(device=self._device_name(worker_id), job=rec.job_id, kind=call_kind(rec.call), start_s=start,
+                    end_s=start + ran, queued_s=queued, outcome="error" if error else "ok")  # fmt: skip
+        self._record(owner, span)
+
+    def _record(self, owner: str, span: Span) -> None:
         self._spans.append((owner, span))
         self._spans_recorded += 1
+
+    def _device_name(self, worker_id: str) -> str:
+        worker = self._workers.get(worker_id)
+        return worker.info.name if worker is not None else worker_id
 
     def _trace(self, rid: int, asker: _Peer) -> m.TraceReply:
         """The asker's jobs' spans (an admin's: everyone's)."""

@@ -97,6 +97,7 @@ class TurnOf(msgspec.Struct, frozen=True):
     retries: int = 0  # tool calls it repeated
     tokens: int = 0  # its tokens so far, sampled and observed
     token_budget: int = 0  # its ``max_tokens`` (0: none)
+    tool_s: float = 0.0  # what its tools took since its last turn, as the caller reported (a trace's tool span)
 
 
 class Submit(Envelope, tag="submit", frozen=True):
