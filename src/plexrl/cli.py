@@ -212,6 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="write the coordinator's recent calls as a Chrome/Perfetto trace file")
     p.add_argument("--coordinator", required=True)
     p.add_argument("--out", default="plexrl-trace.json", help="the trace file (open it in ui.perfetto.dev)")
+    p.add_argument("--png", default=None, help="also draw it into this picture (needs matplotlib)")
     _credentials(p, "client")
 
     p = sub.add_parser("top", help="a live view of a coordinator's workers, jobs, swaps and faults")
@@ -449,7 +450,7 @@ async def _local(args: argparse.Namespace) -> int:
 
 async def _trace(args: argparse.Namespace) -> int:
     from plexrl.client.connection import Client
-    from plexrl.trace import chrome_trace
+    from plexrl.trace import chrome_trace, plot
 
     async with Client(args.coordinator, connect_timeout_s=10.0, credentials=_load_credentials(args)) as client:
         reply = await client.trace()
@@ -457,6 +458,9 @@ async def _trace(args: argparse.Namespace) -> int:
         json.dump(chrome_trace(reply.spans, title=args.coordinator), f)
     older = f" ({reply.dropped} older calls no longer kept)" if reply.dropped else ""
     print(f"{len(reply.spans)} calls{older} -> {args.out} (open it in ui.perfetto.dev or chrome://tracing)")
+    if args.png:
+        plot(reply.spans, args.png, title=args.coordinator)
+        print(f"-> {args.png}")
     return 0
 
 

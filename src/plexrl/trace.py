@@ -71,3 +71,37 @@ def check_trace(trace: Any) -> None:
                 raise ValueError(f"metadata event {i} needs args.name: {e!r}")
         else:
             raise ValueError(f"event {i}: phase {e['ph']!r} is not one plexrl writes (X, M)")
+
+
+def plot(spans: list[Span], path: str, title: str = "plexrl") -> None:
+    """A picture of the trace (matplotlib): the device tracks, then the job tracks, each call a bar
+    coloured by its job (tool waits hatched grey, state moves black)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = sorted({s.device for s in spans if s.device})
+    jobs = sorted({s.job for s in spans})
+    tracks = [f"device {d}" for d in devices] + [f"job {j}" for j in jobs]
+    row = {t: i for i, t in enumerate(tracks)}
+    cmap = plt.get_cmap("tab10")
+    colour = {j: cmap(i % 10) for i, j in enumerate(jobs)}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(tracks) + 1.2))
+    for s in spans:
+        bar = [(s.start_s, max(s.end_s - s.start_s, 1e-3))]
+        style: dict[str, Any] = {"color": colour[s.job]}
+        if s.kind == "tool":
+            style = {"facecolor": "none", "edgecolor": "grey", "hatch": "///"}
+        elif s.kind.startswith("swap_to_"):
+            style = {"color": "black"}
+        if s.device:
+            ax.broken_barh(bar, (row[f"device {s.device}"] - 0.4, 0.8), **style)
+        ax.broken_barh(bar, (row[f"job {s.job}"] - 0.4, 0.8), **style)
+    ax.set_yticks(range(len(tracks)), tracks, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the coordinator started")
+    ax.set_title(f"{title}: calls per device and per job (grey hatching: tool waits; black: state moves)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

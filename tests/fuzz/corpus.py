@@ -11,12 +11,13 @@ from plexrl.errors import MessageTooLargeError, PlexError
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
+from plexrl.trace import Span
 from plexrl.types import Batch, Ragged, SamplingParams
 
 
 def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusRequest | m.Reattach | m.Heartbeat
                         | m.Register | m.CallDone | m.ErrorReply | m.StateMoved | m.Execute | m.MoveState
-                        | m.Shutdown | m.Welcome]:  # fmt: skip
+                        | m.Shutdown | m.Welcome | m.TraceRequest | m.TraceReply]:  # fmt: skip
     """One real message of every kind (arrays in frames of their own and inline, nested calls)."""
     rows = Ragged.from_rows([np.arange(300) % 60, np.arange(5)], "int32")
     batch = Batch(
@@ -44,6 +45,8 @@ def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusReque
         m.MoveState(rid=15, job_id="j-1", to="device"),
         m.Shutdown(rid=16, reason="r", exit=True),
         m.Welcome(rid=17, client_id="c", heartbeat_interval_s=1.0, heartbeat_liveness=5),
+        m.TraceRequest(rid=18),
+        m.TraceReply(rid=19, spans=[Span("local-0", "j-1", "generate", 1.0, 1.5, queued_s=0.1)], dropped=2),
     ]  # fmt: skip
     return messages
 

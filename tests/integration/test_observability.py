@@ -80,6 +80,7 @@ async def test_plexrl_trace_writes_a_valid_trace_of_the_calls_and_a_tenant_sees_
         await job.sync_weights()
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "plexrl", "trace", "--coordinator", cluster.address, "--out", str(tmp_path / "t.json"),
+            "--png", str(tmp_path / "t.png"),
             stdout=asyncio.subprocess.PIPE, env={**os.environ, **cluster.client_env()},
         )  # fmt: skip
         out, _ = await asyncio.wait_for(cli.communicate(), timeout=60)
@@ -89,6 +90,7 @@ async def test_plexrl_trace_writes_a_valid_trace_of_the_calls_and_a_tenant_sees_
         creds = auth.Credentials.load(secret, cluster.keys / "coordinator.key")
         async with plexrl.connect(cluster.address, credentials=creds) as other:
             assert (await other.trace()).spans == []  # another tenant's calls are not theirs to see
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture of it
     trace = json.loads((tmp_path / "t.json").read_text())
     check_trace(trace)
     mine = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == JOBS_PID and e["cat"] == "call"]

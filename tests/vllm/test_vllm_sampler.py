@@ -67,6 +67,7 @@ def engines() -> Iterator[tuple[Engine, Engine]]:
     finally:
         vllm.close()
         hf.close()
+        gc.collect()  # here, where this module ignores the ZeroMQ contexts vLLM's shutdown leaves behind
 
 
 def _both(engines: tuple[Engine, Engine], calls: dict[str, Call]) -> tuple[dict[str, Any], dict[str, Any]]:
