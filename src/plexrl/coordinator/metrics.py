@@ -9,7 +9,6 @@ the call-latency histograms are observed as calls finish.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -17,16 +16,12 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 
 SCRAPE_TIMEOUT_S = 5.0
 # Seconds: a decode step of a small model to a long rollout or a model load.
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, float("inf"))
-
-
-def call_kind(call: Any) -> str:
-    """``ForwardBackward`` -> ``forward_backward``: a call's kind as a label."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(call).__name__).lower()
 
 
 class Metrics:
@@ -41,7 +36,7 @@ class Metrics:
                                labels, registry=self.registry, buckets=BUCKETS)  # fmt: skip
 
     def observe(self, call: Any, error: bool, queued_s: float, run_s: float) -> None:
-        kind, outcome = call_kind(call), ("error" if error else "ok")
+        kind, outcome = calls.CALL_KIND[type(call)], ("error" if error else "ok")
         self.queue_s.labels(kind, outcome).observe(queued_s)
         self.run_s.labels(kind, outcome).observe(run_s)
 

@@ -25,7 +25,7 @@ from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.coordinator.journal import JobRow, Journal
-from plexrl.coordinator.metrics import Metrics, call_kind
+from plexrl.coordinator.metrics import Metrics
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.errors import (
     CallAbortedError,
@@ -1060,7 +1060,7 @@ class Coordinator:
         if self._metrics is not None:
             self._metrics.observe(rec.call, error, queued, ran)
         start = rec.dispatched_at - self._clock_zero
-        span = Span(device=self._device_name(worker_id), job=rec.job_id, kind=call_kind(rec.call), start_s=start,
+        span = Span(device=self._device_name(worker_id), job=rec.job_id, kind=calls.CALL_KIND[type(rec.call)], start_s=start,
                     end_s=start + ran, queued_s=queued, outcome="error" if error else "ok")  # fmt: skip
         self._record(owner, span)
 
