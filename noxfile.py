@@ -33,7 +33,7 @@ def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tin
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite, vLLM sampler and Tinker cookbook tests included (integration tests start real processes)."""
-    _install(session, vllm=True, extras="dev,tinker,cookbook,docs")
+    _install(session, vllm=True, extras="dev,tinker,cookbook,docs,ray")
     session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env={"PLEXRL_REQUIRE_VLLM": "1"})
 
 
