@@ -25,6 +25,8 @@ class WorkerJoined:
     trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
     role: str = "both"  # "rollout": pooled jobs' turns only, no job's home (Libra); "train": homes only
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves (coordinator/buckets.py)
+    node: str = ""  # its host (NVLink domain): a multi-device job's group lies within one ("": a node of its own)
+    index: int = 0  # its device index on ``node``: groups are aligned blocks of indices (coordinator/groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,7 @@ class JobOpened:
     base: str = ""  # its base model: plex places jobs on one base together (their generates batch)
     disaggregated: bool = False  # its generates run on a sampler worker other than its home
     pooled: bool = False  # its generates run on the rollout workers, each turn in its level's bucket
+    devices: int = 1  # a worker group of this many (1, 2, 4, 8): ``state_bytes`` is then each member's shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,7 @@ class SwapDone:
     seconds: float
     moved_bytes: int | None = None  # measured; None: the bytes the Swap named
     ok: bool = True  # False: the move failed and the state stayed where it was
+    worker_id: str = ""  # the worker that moved it (a group job's state moves on each member: one each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +163,7 @@ class Place:
     job_id: str
     worker_id: str
     sampler_id: str = ""  # "" for a colocated job (its home)
+    members: tuple[str, ...] = ()  # a group job's workers (``worker_id`` first, its leader); () for one device
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +177,14 @@ class Recover:
     job_id: str
     worker_id: str
     restore: bool = True
+    members: tuple[str, ...] = ()  # a group job's new workers (``worker_id`` first)
 
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
+    """Run the call on ``worker_id``; a group job's call runs on all of its members at once (gang),
+    ``worker_id`` being its leader."""
+
     call_id: int
     worker_id: str
     priority: int = 0  # for the worker's engine queue (vLLM): lower runs first

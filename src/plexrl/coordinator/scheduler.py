@@ -16,6 +16,12 @@ Invariants it keeps, whatever the policy:
   on the job's home while no rollout worker is registered. No job's home is a rollout worker;
 - a worker runs at most ``slots`` calls at once, of them at most ``trainer_slots`` other than
   generates (a worker's trainer runs one call at a time, so the order of those is the policy's);
+- a group job (``JobOpened.devices`` > 1) lives on an aligned block of workers of one node
+  (``coordinator/groups.py``); its state, a shard on each member, moves on all members together
+  and counts against each member's budget; its calls run one at a time on all members at once
+  (gang): a call starts only when every member has drained, and nothing else starts on a member
+  from the moment the group claims it until that call ends; losing a member ends or re-homes the
+  job as a unit;
 - every submitted call ends in exactly one ``Dispatch`` followed by the server's
   ``CallFinished``, or in one ``Fail``; a recoverable job's calls running on a lost worker go back
   to the front of their queues (dispatched again on its new home, after a ``restore``).
@@ -27,6 +33,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from plexrl.coordinator import groups
 from plexrl.coordinator import residency as rs
 from plexrl.coordinator.accounting import Ledger
 from plexrl.coordinator.buckets import Mlfq, Trajectories, bucket_for
@@ -83,6 +90,9 @@ class _Worker:
     role: str = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only (events.ROLES)
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
     moving_to: str = ""  # the role a MoveWorker is taking it to (it takes no turns or new homes meanwhile)
+    node: str = ""  # its host: a group's members share one (groups.py)
+    index: int = 0  # its device index on ``node``
+    gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -112,9 +122,13 @@ class _ScheduledJob:
     rebuilding: bool = False  # re-homed, its restore not yet started: nothing else of it may start
     first_seq: int = 0  # the lowest order key given so far (front calls go below it)
     pooled: bool = False  # its generates run on the rollout workers (while any is registered)
+    devices: int = 1  # a group job's size: ``state`` is then each member's shard
+    members: tuple[str, ...] = ()  # a group job's workers, ``home`` first; () for a one-device job
 
     def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[str]:
         """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
+        if self.members:
+            return [TRAINER, SAMPLER] if worker_id in self.members else []
         return [
             lane
             for lane in (TRAINER, SAMPLER)
@@ -123,6 +137,15 @@ class _ScheduledJob:
 
     def idle_on(self, worker_id: str, pooled_away: bool = False) -> bool:
         return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id, pooled_away))
+
+
+@dataclass(slots=True)
+class _GroupMove:
+    """A group job's state moving on every member: done when the last member reports."""
+
+    to: str
+    pending: set[str]
+    ok: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +192,8 @@ class Scheduler:
         self._pooled: set[str] = set()  # pooled jobs
         self._rollout_ids: set[str] = set()  # workers taking pooled turns now (``_rollout``)
         self._started: dict[int, float] = {}  # running turn of a pooled job -> when it started
+        self._gangs: dict[int, tuple[str, tuple[str, ...]]] = {}  # running group call -> (job, members)
+        self._group_moves: dict[str, _GroupMove] = {}  # group job -> its state's move in flight
         self.trajectories = Trajectories(mlfq or Mlfq())
         self.rebalancer = rebalancer  # moves home workers between training and rollout (None: roles stay)
         self.ledger = Ledger()
@@ -242,6 +267,7 @@ class Scheduler:
                 done = self._calls.get(call_id)
                 ran = self._ran_on.get(call_id)
                 touched = [ran] if ran else self._lane_workers(done) if done is not None else []
+                touched = list(self._gangs[call_id][1]) if call_id in self._gangs else touched
                 started = self._started.pop(call_id, None)
                 if done is not None and done.trajectory and ran and started is not None:
                     self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
@@ -260,8 +286,9 @@ class Scheduler:
                 for other in self._other_workers(done) if done is not None else []:
                     if other not in touched and other in self._workers:
                         actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket):
+            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index):
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
+                worker.node, worker.index = node, index
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
                 self._roles_changed(worker)
@@ -280,6 +307,8 @@ class Scheduler:
                     touched = sorted(self._workers)  # queued turns re-route
             case WorkerLost(worker_id, reason):
                 actions += self._lose_worker(worker_id, reason, now)
+            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled, devices) if devices != 1:
+                actions += self._place_group(job_id, state_bytes, weight, base, devices, disaggregated or pooled, now)
             case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled):
                 actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
                 if pooled and job_id in self._jobs:
@@ -308,6 +337,9 @@ class Scheduler:
                 self.ledger.job_closed(job_id, now)
                 self._waiting.discard(job_id)
                 job = self._jobs.pop(job_id, None)
+                if job and job.members:
+                    touched = self._disband(job, now)
+                    job = None
                 if job and job.sampler in self._workers:
                     self._workers[job.sampler].samplers.discard(job_id)
                 if job and job.home in self._workers:
@@ -318,6 +350,8 @@ class Scheduler:
                     touched = [job.home]
                 if self._homeless:  # a worker it held may take a waiting job now (dedicated)
                     actions += self._rehome_waiting(now)
+            case SwapDone(job_id, seconds, moved_bytes, ok, worker_id) if job_id in self._group_moves:
+                touched = self._group_swap_done(job_id, worker_id, seconds, moved_bytes, ok)
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 touched = [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
             case Tick():  # waiting jobs may hit their starvation bound; the rebalancer may move a worker
@@ -337,7 +371,11 @@ class Scheduler:
                     for worker_id, role in self.rebalancer.plan(self, now):
                         actions += self._move_worker(self._workers[worker_id], role, now)
             case CallCancelled(call_id):
+                cancelled = self._calls.get(call_id)
                 self._cancel(call_id)
+                group = self._jobs.get(cancelled.job_id) if cancelled is not None else None
+                if group is not None and group.members:  # its claim on the members may have no call left
+                    touched = self._unclaim(group)
         for worker_id in touched:
             if worker_id in self._workers:
                 actions += self._dispatch(self._workers[worker_id], now)
@@ -402,7 +440,8 @@ class Scheduler:
         if job is None or job.state.tier not in (rs.DEVICE, rs.HOST):
             return None  # sizes arrive with the opening call, which runs on the device: not in transit
         if job.state.tier == rs.DEVICE:
-            self._workers[job.home].used_bytes += state_bytes - job.state.state_bytes
+            for member in job.members or (job.home,):
+                self._workers[member].used_bytes += state_bytes - job.state.state_bytes
         job.state.state_bytes = state_bytes
         return job.home
 
@@ -534,6 +573,7 @@ class Scheduler:
 
     def _finish(self, call_id: int, now: float) -> None:
         call = self._calls.pop(call_id, None)
+        self._release_gang(call_id, now)
         worker = self._workers.get(self._ran_on.pop(call_id, ""))
         if worker is not None:  # its slot is free, whatever became of its job
             worker.running.discard(call_id)
@@ -569,6 +609,7 @@ class Scheduler:
         if worker.moving is not None:
             self._moving.pop(worker.moving.job_id, None)
         actions: list[Action] = []
+        survivors: set[str] = set()  # other members of its groups: their slots and memory are free now
         for call_id in sorted(worker.running):
             call = self._calls.get(call_id)
             job = self._jobs.get(call.job_id) if call is not None else None
@@ -583,11 +624,14 @@ class Scheduler:
             job = self._jobs[job_id]
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
             opening = any(self._calls[c].kind == "open" for c in job.unfinished)  # no state exists yet
+            if job.members:  # a group lives or dies as a unit: its other shards are of no use alone
+                survivors.update(self._disband(job, now, requeue=job.recoverable or opening))
+                job.home = job.sampler = worker_id
             if (job.recoverable or opening) and job.sampler == job.home == worker_id:
                 actions += self._recover(job, worker_id, lost, now)
             else:
                 actions += self._lose_job(job, WorkerLostError(f"{lost}; {LOST}"), now)
-        homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id}
+        homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id} | survivors
         for job_id in sorted(self._pooled):  # queued turns go to the rollout workers left (or their homes)
             queued = self._jobs[job_id].queues[SAMPLER]
             homes |= {w for c in queued for w in self._lane_workers(self._calls[c])}
@@ -631,6 +675,8 @@ class Scheduler:
 
     def _rehome(self, job: _ScheduledJob, now: float) -> list[Action]:
         """Place a job that lost its worker, if a worker can take it now."""
+        if job.devices > 1:
+            return self._rehome_group(job, now)
         chosen = self._choose(job.state.state_bytes, job.base, False, now)
         if isinstance(chosen, NoWorkersError):
             return []
@@ -653,6 +699,7 @@ class Scheduler:
         for lane in (SAMPLER, TRAINER):
             for call_id in job.running[lane]:
                 self._started.pop(call_id, None)
+                freed.update(self._release_gang(call_id, now))
                 worker_id = self._ran_on.pop(call_id, None)
                 other = self._workers.get(worker_id) if worker_id is not None else None
                 if other is not None:
@@ -675,7 +722,7 @@ class Scheduler:
         if worker.used_bytes > worker.memory_bytes and worker.moving is None:  # a job outgrew the budget
             victim = self._victim(worker, None, now)
             if victim is not None:
-                actions.append(self._move(worker, victim, rs.HOST))
+                actions += self._evict(worker, victim)
         entries: list[tuple[_ScheduledJob, list[_Call]]] = []
         away = bool(self._rollout_ids)  # pooled jobs' turns run there
         for job_id in worker.jobs | worker.samplers:
@@ -696,6 +743,11 @@ class Scheduler:
         if len(entries) > 1:
             entries.sort(key=lambda e: self.policy.rank(self, e[0], e[1][0], now))
         for job, startable in entries:
+            if job.members:
+                actions += self._dispatch_group(job, startable, now)
+                continue
+            if worker.gang:
+                continue  # a group claims the worker: its call runs here or waits for the worker to drain
             # Lanes on the job's home need its state on the device (closing frees it wherever it
             # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
             first = startable[0]
@@ -743,7 +795,7 @@ class Scheduler:
                 continue
             victim = self._victim(worker, job, now)
             if victim is not None:
-                actions.append(self._move(worker, victim, rs.HOST))
+                actions += self._evict(worker, victim)
         return actions
 
     def _startable(self, job: _ScheduledJob, lane: str) -> list[_Call]:
@@ -809,3 +861,218 @@ class Scheduler:
         if job is not None:
             job.state.tier = rs.DEVICE if on_device else rs.HOST
         return worker.worker_id
+
+    # -- worker groups (a job on several devices: groups.py places it, its calls run as a gang) ----
+
+    def _place_group(
+        self, job_id: str, state_bytes: int, weight: float, base: str, devices: int, elsewhere: bool, now: float
+    ) -> list[Action]:
+        """Place a group job on an aligned block of ``devices`` workers with room for its shard."""
+        if devices not in groups.GROUP_SIZES or elsewhere:
+            why = (
+                f"job {job_id} asks for {devices} devices{' and generates elsewhere' if elsewhere else ''}: a job "
+                f"spans {', '.join(map(str, groups.GROUP_SIZES))} devices and generates on its own group"
+            )
+            return [Fail(job_id, None, NoWorkersError(why))]
+        job = _ScheduledJob(
+            job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0, base=base
+        )
+        job.devices = devices
+        if not self._homes():  # none registered yet: it waits for a group, as a job whose worker was lost
+            self._jobs[job_id] = job
+            self.ledger.job_opened(job_id, now)
+            self._homeless[job_id] = (now, f"job {job_id} opened with no worker registered")
+            return [Place(job_id, "")]
+        chosen = self._choose_group(state_bytes, devices)
+        if isinstance(chosen, NoWorkersError):
+            return [Fail(job_id, None, chosen)]
+        fits = all(w.used_bytes + state_bytes <= w.memory_bytes for w in chosen)
+        job.state.tier = rs.DEVICE if fits else rs.HOST
+        self._seat(job, chosen)
+        self._jobs[job_id] = job
+        self.ledger.job_opened(job_id, now)
+        return [Place(job_id, job.home, "", members=job.members)]
+
+    def _choose_group(self, state_bytes: int, devices: int) -> list[_Worker] | NoWorkersError:
+        """The least loaded aligned block whose members' budgets hold a shard (``dedicated``: a free one)."""
+        blocks = [
+            b for b in groups.aligned_blocks(self._homes(), devices) if all(state_bytes <= w.memory_bytes for w in b)
+        ]
+        if self.policy.name == "dedicated":
+            blocks = [b for b in blocks if not any(w.jobs or w.samplers for w in b)]
+        if not blocks:
+            return NoWorkersError(
+                f"no aligned block of {devices} workers on one node (indices i..i+{devices - 1}, i a multiple of "
+                f"{devices}) is free for a shard of {state_bytes} bytes: start workers with --node and --index, "
+                "close a job, or ask for fewer devices"
+            )
+        return list(groups.least_loaded(blocks, lambda w: len(w.jobs) + len(w.samplers)))
+
+    def _seat(self, job: _ScheduledJob, members: list[_Worker]) -> None:
+        job.members = tuple(w.worker_id for w in members)
+        job.home = job.sampler = job.members[0]
+        for w in members:
+            w.jobs.add(job.job_id)
+            if job.state.tier == rs.DEVICE:
+                w.used_bytes += job.state.state_bytes
+
+    def _rehome_group(self, job: _ScheduledJob, now: float) -> list[Action]:
+        """Place a group job that lost a member on a whole new block, if one can take it now."""
+        chosen = self._choose_group(job.state.state_bytes, job.devices)
+        if isinstance(chosen, NoWorkersError):
+            return []
+        del self._homeless[job.job_id]
+        self._seat(job, chosen)  # its state is in host memory (or nowhere): made on the block by its restore
+        kinds = {self._calls[c].kind for c in job.unfinished}
+        return [Recover(job.job_id, job.home, restore=not kinds & MAKES_STATE, members=job.members)]
+
+    def _dispatch_group(self, job: _ScheduledJob, startable: list[_Call], now: float) -> list[Action]:
+        """Start the group's next call on all its members at once, or bring its shards in on all of them."""
+        members = [self._workers[m] for m in job.members]
+        first, size = startable[0], job.state.state_bytes
+        if job.rebuilding and first.kind != "restore":
+            return []
+        room = all(w.used_bytes + size <= w.memory_bytes for w in members)
+        if first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
+            job.state.tier = rs.DEVICE  # the open (or restore) makes each shard on its member
+            for w in members:
+                w.used_bytes += size
+        if job.state.tier == rs.DEVICE or (first.kind == "close" and job.state.tier == rs.HOST):
+            job.state.waiting_since_s = None
+            self._waiting.discard(job.job_id)
+            return self._start_gang(job, members, first, now)
+        if job.state.waiting_since_s is None:
+            job.state.waiting_since_s = now
+            self._waiting.add(job.job_id)
+        if job.state.tier != rs.HOST:
+            return []  # moving
+        if room:
+            return self._move_group(job, rs.DEVICE)
+        actions: list[Action] = []
+        for w in members:  # make room on each member that lacks it
+            if w.moving is None and w.used_bytes + size > w.memory_bytes:
+                victim = self._victim(w, job, now)
+                if victim is not None:
+                    actions += self._evict(w, victim)
+        return actions
+
+    def _start_gang(self, job: _ScheduledJob, members: list[_Worker], call: _Call, now: float) -> list[Action]:
+        """Claim every member (all or none: another group's claim comes first), and start ``call``
+        once all have drained; the claim holds until the call ends."""
+        if any(w.gang not in ("", job.job_id) for w in members):
+            return []
+        for w in members:
+            w.gang = job.job_id
+        if any(w.running for w in members):
+            return []
+        job.queues[call.lane].remove(call.call_id)
+        job.running[call.lane].add(call.call_id)
+        job.rebuilding &= call.kind != "restore"
+        for w in members:
+            w.running.add(call.call_id)
+            if call.lane == TRAINER:
+                w.training.add(call.call_id)
+            self.ledger.call_started(w.worker_id, job.job_id, now)
+        self._ran_on[call.call_id] = job.home
+        self._gangs[call.call_id] = (job.job_id, job.members)
+        return [Dispatch(call.call_id, job.home, call.priority)]
+
+    def _release_gang(self, call_id: int, now: float) -> list[str]:
+        """Free a group call's slots on the members other than its leader (whose slot is freed as any
+        call's) and the group's claim on all; the members freed."""
+        job_id, members = self._gangs.pop(call_id, ("", ()))
+        for member in members[1:]:
+            self.ledger.call_finished(member, job_id, now)
+            worker = self._workers.get(member)
+            if worker is not None:
+                worker.running.discard(call_id)
+                worker.training.discard(call_id)
+        for member in members:
+            worker = self._workers.get(member)
+            if worker is not None and worker.gang == job_id:
+                worker.gang = ""
+        return [m for m in members if m in self._workers]
+
+    def _unclaim(self, job: _ScheduledJob) -> list[str]:
+        """Drop the group's claim on its members if none of its calls runs (its ready call went away)."""
+        if any(job.running.values()):
+            return []
+        for member in job.members:
+            worker = self._workers.get(member)
+            if worker is not None and worker.gang == job.job_id:
+                worker.gang = ""
+        return [m for m in job.members if m in self._workers]
+
+    def _disband(self, job: _ScheduledJob, now: float, requeue: bool = False) -> list[str]:
+        """Take a group job off its members (it closed, or lost a member): free each member's shard,
+        slots and claim; its running calls go back to its queues (``requeue``) or are left unfinished
+        (for ``_lose_job`` to fail). Returns the members still registered."""
+        self._group_moves.pop(job.job_id, None)
+        self._moving.pop(job.job_id, None)
+        for lane in (SAMPLER, TRAINER):
+            for call_id in sorted(job.running[lane]):
+                self._release_gang(call_id, now)
+                leader = self._ran_on.pop(call_id, job.home)
+                self.ledger.call_finished(leader, job.job_id, now)
+                if leader in self._workers:
+                    self._workers[leader].running.discard(call_id)
+                    self._workers[leader].training.discard(call_id)
+                job.running[lane].discard(call_id)
+                if requeue:
+                    self._enqueue(job, self._calls[call_id])
+        survivors = [self._workers[m] for m in job.members if m in self._workers]
+        for w in survivors:
+            if job.state.tier != rs.HOST:  # on the device, or on its way in or out: counted there
+                w.used_bytes -= job.state.state_bytes
+            if w.moving is not None and w.moving.job_id == job.job_id:
+                w.moving = None  # its SwapDone, when it comes, finds no move to settle
+            w.jobs.discard(job.job_id)
+            if w.gang == job.job_id:
+                w.gang = ""
+        job.members = ()
+        job.state.tier = rs.HOST
+        return [w.worker_id for w in survivors]
+
+    def _evict(self, worker: _Worker, victim: _ScheduledJob) -> list[Action]:
+        """Move ``victim``'s state off ``worker`` (a group's off all its members, once none is moving)."""
+        if not victim.members:
+            return [self._move(worker, victim, rs.HOST)]
+        return self._move_group(victim, rs.HOST)
+
+    def _move_group(self, job: _ScheduledJob, to: str) -> list[Action]:
+        """Move a group job's shards on all its members at once (none if one of them is moving)."""
+        members = [self._workers[m] for m in job.members]
+        if any(w.moving is not None for w in members):
+            return []
+        self._group_moves[job.job_id] = _GroupMove(to, set(job.members))
+        return [self._move(w, job, to) for w in members]
+
+    def _group_swap_done(
+        self, job_id: str, worker_id: str, seconds: float, moved_bytes: int | None, ok: bool
+    ) -> list[str]:
+        """One member's shard moved; once all have, the group's state is where they all put it (any
+        failure: where it was, everywhere). Returns the members that may start calls now."""
+        group_move = self._group_moves[job_id]
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.moving is None or worker.moving.job_id != job_id:
+            return []
+        move, worker.moving = worker.moving, None
+        group_move.pending.discard(worker_id)
+        group_move.ok &= ok
+        moved = move.state_bytes if moved_bytes is None else moved_bytes
+        if ok and seconds > 0 and moved > 0:
+            worker.bytes_per_s = 0.5 * worker.bytes_per_s + 0.5 * moved / seconds
+        self.ledger.swapped(job_id, moved, seconds)
+        if group_move.pending:
+            return [worker_id]  # it may start other jobs' calls meanwhile
+        del self._group_moves[job_id]
+        self._moving.pop(job_id, None)
+        job = self._jobs.get(job_id)
+        on_device = (group_move.to == rs.DEVICE) == group_move.ok
+        members = [self._workers[m] for m in (job.members if job is not None else ()) if m in self._workers]
+        for w in members:
+            if not on_device:
+                w.used_bytes -= move.state_bytes
+        if job is not None:
+            job.state.tier = rs.DEVICE if on_device else rs.HOST
+        return [w.worker_id for w in members] or [worker_id]

@@ -28,8 +28,11 @@ class Gpu:
     host_bytes_per_s: float  # pinned host <-> device copies
     decode_efficiency: float = 0.6  # achieved fraction of HBM bandwidth while decoding
     train_mfu: float = 0.4  # achieved fraction of bf16 FLOPs while training
+    link_bytes_per_s: float = 450e9  # to another GPU of its node, one direction (NVLink 4: 900 GB/s both ways)
+    link_efficiency: float = 0.8  # achieved fraction of it by ring all-gather / reduce-scatter (NCCL, large messages)
 
 
+# H200 SXM spec sheet: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16, 141 GB; NVLink 4, 900 GB/s per GPU.
 H200 = Gpu("H200", hbm_bytes_per_s=4.8e12, bf16_flops=989e12, memory_bytes=141e9, host_bytes_per_s=50e9)
 
 
@@ -72,6 +75,8 @@ QWEN3 = {
     "1.7B": Llm("qwen3-1.7b", 1.7e9, layers=28, kv_heads=8, head_dim=128, hidden=2048, intermediate=6144),
     "4B": Llm("qwen3-4b", 4.0e9, layers=36, kv_heads=8, head_dim=128, hidden=2560, intermediate=9728),
     "8B": Llm("qwen3-8b", 8.2e9, layers=36, kv_heads=8, head_dim=128, hidden=4096, intermediate=12288),
+    "14B": Llm("qwen3-14b", 14.8e9, layers=40, kv_heads=8, head_dim=128, hidden=5120, intermediate=17408),
+    "32B": Llm("qwen3-32b", 32.8e9, layers=64, kv_heads=8, head_dim=128, hidden=5120, intermediate=25600),
 }
 
 
@@ -184,3 +189,86 @@ ALL_REDUCE_S = 10e-6  # one small all-reduce over NVLink (decode activations): l
 def tp_comm_s(llm: Llm, tp: int) -> float:
     """What tensor parallelism adds to a decode round: two all-reduces per layer (attention, MLP)."""
     return 0.0 if tp <= 1 else 2 * llm.layers * ALL_REDUCE_S
+
+
+# -- jobs on a worker group: an FSDP2 trainer and a tensor-parallel sampler over ``devices`` GPUs --
+
+FULL_STATE_BYTES_PER_PARAM = (
+    18  # bf16 weights (trainer) + fp32 master + two fp32 AdamW moments + bf16 grads + bf16 sampler copy
+)
+MICROBATCH_TOKENS = 16384  # tokens per FSDP forward/backward pass: each pass gathers every layer's weights again
+
+
+def ring_s(payload_bytes: float, devices: int, gpu: Gpu = H200) -> float:
+    """One ring all-gather or reduce-scatter of ``payload_bytes`` (the full tensor) over a node's
+    links: each device sends and receives ``(k - 1) / k`` of it."""
+    if devices <= 1:
+        return 0.0
+    return payload_bytes * (devices - 1) / devices / (gpu.link_bytes_per_s * gpu.link_efficiency)
+
+
+def group_costs(llm: Llm, devices: int, gpu: Gpu = H200, *, rollouts: int = 64, context: float = 2048.0,
+                active: float = 1.0) -> dict[str, float]:  # fmt: skip
+    """What a full fine-tune of ``llm`` costs per call on ``devices`` GPUs of one node.
+
+    Sampler, tensor-parallel of degree ``devices``: a decode step reads ``1/k`` of the weights and of
+    the KV cache on each GPU, plus two all-reduces of the batch's activations per layer (attention
+    and MLP outputs: latency-bound, ``tp_comm_s``, plus their bytes over the links). Trainer, FSDP2
+    over ``devices`` (ZeRO-3: parameters, gradients and optimizer state sharded): ``1/k`` of the
+    FLOPs per GPU, plus per micro-batch of ``MICROBATCH_TOKENS`` an all-gather of every layer's
+    weights in the forward, another in the backward (``reshard_after_forward``) and a
+    reduce-scatter of the gradients, counted in full (no overlap with compute: an upper bound).
+    Weight sync gathers each layer to full tensors and keeps this GPU's TP slice (a ring
+    all-gather of the weights plus a copy of ``1/k`` of them). ``state_bytes`` is each GPU's shard.
+    """
+    k = devices
+    bandwidth = gpu.hbm_bytes_per_s * gpu.decode_efficiency
+    kv_step = active * rollouts * context * llm.kv_bytes_per_token
+    activations = active * rollouts * llm.hidden * 2  # one all-reduce's bf16 payload
+    all_reduces = 2 * llm.layers * 2 * ring_s(activations, k, gpu)  # reduce-scatter + all-gather each
+    decode_step_s = (llm.weight_bytes + kv_step) / k / bandwidth + tp_comm_s(llm, k) + all_reduces
+    gathers_per_token = ring_s(3 * llm.weight_bytes, k, gpu) / MICROBATCH_TOKENS  # 2 gathers + 1 reduce-scatter
+    return {
+        "decode_step_s": decode_step_s,
+        "shared_step_fraction": 0.0,  # a full fine-tune's weights are its own: nothing to batch with
+        "train_s_per_token": 6 * llm.params / (k * gpu.bf16_flops * gpu.train_mfu) + gathers_per_token,
+        "optim_step_s": 16 * llm.params / k / bandwidth,  # AdamW over the shard: fp32 state read and written
+        "sync_s": ring_s(llm.weight_bytes, k, gpu) + llm.weight_bytes / k / bandwidth,
+        "state_bytes": FULL_STATE_BYTES_PER_PARAM * llm.params / k,
+    }
+
+
+def group_job(
+    name: str,
+    llm: Llm,
+    devices: int,
+    gpu: Gpu = H200,
+    *,
+    steps: int = 20,
+    rollouts: int = 64,
+    turns: int = 3,
+    prompt_tokens: int = 1024,
+    output_tokens: Lognormal = AGENT_OUTPUT_TOKENS,
+    tool_latency_s: Lognormal = AGENT_TOOL_LATENCY_S,
+    arrival_s: float = 0.0,
+) -> JobModel:
+    """An agentic full fine-tune GRPO job of ``llm`` on a group of ``devices`` GPUs (``group_costs``)."""
+    mean_out = output_tokens.median * math.exp(output_tokens.sigma**2 / 2)
+    costs = group_costs(llm, devices, gpu, rollouts=rollouts, context=prompt_tokens + mean_out * turns / 2,
+                        active=active_fraction(output_tokens, rollouts))  # fmt: skip
+    return JobModel(
+        name=name,
+        steps=steps,
+        rollouts=rollouts,
+        turns=turns,
+        output_tokens=output_tokens,
+        decode_step_s=costs["decode_step_s"],
+        shared_step_fraction=costs["shared_step_fraction"],
+        tool_latency_s=tool_latency_s,
+        train_s_per_token=costs["train_s_per_token"],
+        optim_step_s=costs["optim_step_s"],
+        sync_s=costs["sync_s"],
+        state_bytes=int(costs["state_bytes"]),
+        arrival_s=arrival_s,
+        devices=devices,
+    )

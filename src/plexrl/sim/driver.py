@@ -13,6 +13,13 @@ A ``Swap`` moves a job's state at ``swap_bytes_per_s`` beside the running calls 
 and answers with ``SwapDone``. A ``Tick`` every ``tick_s`` lets waiting jobs hit their
 starvation bound. Deterministic for a given seed.
 
+Workers sit on nodes of ``node_devices`` (worker ``i`` is device ``i % node_devices`` of node
+``i // node_devices``). A group job (``JobModel.devices`` > 1) is placed by the scheduler on an
+aligned block of one node; each of its calls runs on all members at once (the scheduler starts it
+only when they all drained and starts nothing else there until it ends), so the simulator runs it
+on its leader at the group's modelled cost and counts every member busy and held meanwhile. Its
+state moves on every member in parallel, one ``Swap`` each.
+
 Device-hours are what a cluster pays for: a device is held from the first call it runs until
 the last call it runs finishes. Under ``dedicated`` that is each job's wall time; when jobs
 share devices it is the devices' common span. Per-job accelerator-seconds come from the
@@ -61,6 +68,7 @@ class JobResult:
     error: str = ""
     trained_samples: int = 0  # trajectories (pooled) its forward_backward calls trained on
     steps_done_s: list[float] = field(default_factory=list)  # when each of its optimizer steps finished
+    members: tuple[str, ...] = ()  # a group job's workers (``worker`` first)
 
     @property
     def wall_s(self) -> float:
@@ -118,6 +126,7 @@ class _Running:
     left: float  # decode steps (generate) or seconds (other calls) still to do
     started_s: float
     runner: _Runner
+    members: tuple[str, ...] = ()  # a group call: the members besides the device it is modelled on
 
 
 @dataclass(slots=True)
@@ -168,11 +177,12 @@ class Simulation:
         worker_specs: list[WorkerSpec] | None = None,
         scheduler: sch.Scheduler | None = None,
         move_s: float = 0.0,
+        node_devices: int = 8,
     ) -> None:
         """``worker_specs`` (one per worker; by default ``workers`` of role "both") give roles and
         buckets; ``scheduler`` one configured beyond its policy (buckets, a rebalancer); ``move_s``
         what moving a worker between roles costs once its running calls have ended (sleeping or
-        waking its sampler, loading the base for training)."""
+        waking its sampler, loading the base for training); ``node_devices`` the workers of a node."""
         self.policy = policy
         self.slots = slots
         self.memory_bytes, self.swap_bytes_per_s, self.tick_s = memory_bytes, swap_bytes_per_s, tick_s
@@ -188,6 +198,7 @@ class Simulation:
         self._seq = itertools.count()
         self._call_ids = itertools.count(1)
         self._specs = {f"w{i}": spec for i, spec in enumerate(worker_specs or [WorkerSpec()] * workers)}
+        self.node_devices = node_devices
         self._devices = {w: _Device(tp=spec.tp, comm_s=spec.comm_s) for w, spec in self._specs.items()}
         self._jobs: dict[str, _SimJob] = {}
         self._calls: dict[int, tuple[str, Work, _Runner]] = {}  # submitted, not yet dispatched
@@ -198,10 +209,11 @@ class Simulation:
             self._jobs[job_id] = _SimJob(model, runner, JobResult(model.name))
 
     def run(self, until_s: float = float("inf")) -> SimResult:
-        for w, spec in self._specs.items():
+        for i, (w, spec) in enumerate(self._specs.items()):
             slots = spec.slots or self.slots
+            node, index = divmod(i, self.node_devices)
             joined = ev.WorkerJoined(w, slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s,
-                                     role=spec.role, bucket=spec.bucket)  # fmt: skip
+                                     role=spec.role, bucket=spec.bucket, node=f"n{node}", index=index)  # fmt: skip
             self._handle(joined)
         self._left = len(self._jobs)
         for job_id, job in self._jobs.items():
@@ -230,7 +242,7 @@ class Simulation:
         job = self._jobs[job_id]
         model = job.model
         opened = ev.JobOpened(job_id, model.state_bytes, base=model.base, disaggregated=model.disaggregated,
-                              pooled=model.pooled)  # fmt: skip
+                              pooled=model.pooled, devices=model.devices)  # fmt: skip
         self._handle(opened)
         if job.result.error:
             self._left -= 1
@@ -245,9 +257,9 @@ class Simulation:
     def _handle(self, event: ev.Event) -> None:
         for action in self.scheduler.handle(event, self.now):
             match action:
-                case ev.Place(job_id, worker_id):
+                case ev.Place(job_id, worker_id, _, members):
                     job = self._jobs[job_id]
-                    job.result.worker, job.result.started_s = worker_id, self.now
+                    job.result.worker, job.result.started_s, job.result.members = worker_id, self.now, members
                     self._advance(job_id, job.runner)
                 case ev.Dispatch(call_id, worker_id):
                     self._start(call_id, worker_id)
@@ -257,11 +269,12 @@ class Simulation:
                     self._drained(worker_id)
                 case ev.Fail(job_id, _, error):
                     self._jobs[job_id].result.error = error.message
-                case ev.Swap(job_id, _, _, state_bytes):
+                case ev.Swap(job_id, worker_id, _, state_bytes):
                     seconds = state_bytes / self.swap_bytes_per_s
                     self._swaps += 1
                     self._swap_s += seconds
-                    self._at(self.now + seconds, functools.partial(self._handle, ev.SwapDone(job_id, seconds)))
+                    done = ev.SwapDone(job_id, seconds, worker_id=worker_id)
+                    self._at(self.now + seconds, functools.partial(self._handle, done))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))
@@ -313,7 +326,11 @@ class Simulation:
         if device.first_s is None:
             device.first_s = self.now
         left = float(work.steps) if work.kind == "generate" else work.seconds
-        device.running[call_id] = _Running(call_id, job_id, work, left, self.now, runner)
+        members = self._jobs[job_id].result.members[1:]
+        for member in members:  # held by the gang: nothing else runs there until the call ends
+            other = self._devices[member]
+            other.first_s = self.now if other.first_s is None else other.first_s
+        device.running[call_id] = _Running(call_id, job_id, work, left, self.now, runner, members)
         result = self._jobs[job_id].result
         result.calls += 1
         if not device.completing:
@@ -349,8 +366,13 @@ class Simulation:
         device.version += 1
         device.completing = True
         for r in done:
+            for member in r.members:
+                other = self._devices[member]
+                other.busy_s += self.now - r.started_s
+                other.last_s = self.now
             if self.record_timeline:
-                self._timeline.append(Span(worker_id, r.job_id, r.work.kind, r.started_s, self.now))
+                for device_id in (worker_id, *r.members):
+                    self._timeline.append(Span(device_id, r.job_id, r.work.kind, r.started_s, self.now))
             self._handle(ev.CallFinished(r.call_id))
             result = self._jobs[r.job_id].result
             result.trained_samples += r.work.samples

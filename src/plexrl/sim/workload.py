@@ -70,6 +70,8 @@ class JobModel:
     difficulty_sigma: float = (
         0.0  # pooled: a trajectory's hardness, Lognormal(1, this), scales its turns' lengths and its tool errors
     )
+    devices: int = 1  # a worker group of this many (FSDP trainer, TP sampler): its costs above are the group's,
+    # its ``state_bytes`` each member's shard (``sim/costs.py``: ``group_job``)
 
     def max_turns_tokens(self) -> int:
         """A pooled trajectory's token budget beyond its prompt: its turns at the length p99."""
