@@ -1,4 +1,4 @@
-"""The ``plexrl`` command: coordinator | worker | local | status | keys."""
+"""The ``plexrl`` command: coordinator | worker | local | up | status | keys."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 from plexrl.errors import InvalidRequestError
 from plexrl.protocol import auth
@@ -51,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port of --bind's host (0: a free one, logged)")  # fmt: skip
     p.add_argument("--heartbeat-liveness", type=int, default=5, help="silent intervals before a peer is dead")
+    p.add_argument(
+        "--weights-via",
+        choices=["workers", "coordinator"],
+        default="workers",
+        help="how a job's new weights reach its other workers: fetched from its home worker's data plane "
+        "(default), or through the coordinator in the calls' messages (the baseline bench/weights.py measures)",
+    )
     p.add_argument("--client-timeout", type=float, default=30.0, help="seconds a silent client keeps its jobs running")
     p.add_argument(
         "--client-grace",
@@ -121,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, help="the coordinator's endpoint, e.g. tcp://head:7400")
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N")
     p.add_argument("--name", default="", help="a name shown in `plexrl status`")
+    p.add_argument(
+        "--data-host",
+        default=None,
+        help="the address other workers fetch this worker's published weights at (its data plane; default: "
+        "this host's address on the route to the coordinator)",
+    )
     _credentials(p, "worker")
     p.add_argument(
         "--checkpoint-root",
@@ -203,6 +217,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=_device, default="cpu")
     _policy(p)
     _memory_budget(p, default=None)
+    p.add_argument("--log-level", default="WARNING")
+
+    p = sub.add_parser("up", help="run a coordinator and one worker per device on a Ray cluster until Ctrl-C")
+    p.add_argument("--ray", required=True, metavar="ADDRESS", help="the Ray cluster's address, e.g. head:6379 or auto")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="workers to run: one per GPU (default: every GPU); on a CPU-only cluster one per --cpus-per-worker "
+        "CPUs (default: as many as fit beside the coordinator)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="register the workers with this running coordinator (tcp://HOST:PORT; with --key as their worker "
+        "key) instead of starting one as a Ray actor",
+    )
+    p.add_argument("--port", type=int, default=0, help="the coordinator actor's port on its node (0: a free one)")
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPU-only clusters: CPUs each worker reserves")
+    p.add_argument("--sampler", choices=["vllm", "hf"], default=None, help="the workers' generation engine")
+    _policy(p)
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds until every worker must have registered")
+    _credentials(p, "worker")
     p.add_argument("--log-level", default="WARNING")
 
     p = sub.add_parser("status", help="show a coordinator's workers and jobs")
@@ -306,6 +343,8 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(_local(args))
     if args.command == "tinker":
         return _tinker(args)
+    if args.command == "up":
+        return _up(args)
     if args.command == "status":
         return asyncio.run(_status(args))
     if args.command == "trace":
@@ -351,6 +390,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         move_prior_s=args.move_prior,
         level_service_s=args.level_service,
         metrics_port=args.metrics_port,
+        weights_via=args.weights_via,
     )
 
     def ready(address: str) -> None:
@@ -393,6 +433,7 @@ def _worker(args: argparse.Namespace) -> int:
         role=args.role,
         bucket=args.bucket,
         credentials=_load_credentials(args),
+        data_host=args.data_host,
         **({"checkpoint_root": args.checkpoint_root} if args.checkpoint_root else {}),
     )
     run_worker(config)
@@ -445,6 +486,50 @@ async def _local(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from plexrl import ray as plexrl_ray
+
+    if args.coordinator is None and (args.key or args.coordinator_key):
+        raise InvalidRequestError(
+            "--key and --coordinator-key go with --coordinator: the coordinator actor makes its own"
+        )
+    try:
+        cluster = plexrl_ray.up(
+            args.ray,
+            devices=args.devices,
+            coordinator=args.coordinator,
+            port=args.port,
+            policy=args.policy,
+            sampler=args.sampler,
+            cpus_per_worker=args.cpus_per_worker,
+            worker_key=args.key,
+            coordinator_key=args.coordinator_key,
+            start_timeout_s=args.start_timeout,
+            worker_args=["--log-level", args.log_level],
+        )
+    except plexrl_ray.RayClusterError as e:
+        print(f"plexrl up: {e.message}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with cluster:
+        env = " ".join(f"{k}={v}" for k, v in cluster.client_env().items())
+        print(
+            f"plexrl on the Ray cluster at {args.ray}: {len(cluster.workers)} worker(s), coordinator {cluster.address}; "
+            f"Ctrl-C to stop\nclients: plexrl.connect({cluster.address!r}) or --coordinator {cluster.address}"
+            + (f" with {env}" if env else ""),
+            flush=True,
+        )
+        while not stop.wait(timeout=5.0):  # and watch the coordinator, which Ray does not restart
+            try:
+                cluster.check()
+            except plexrl_ray.RayClusterError as e:
+                print(f"plexrl up: {e.message}", file=sys.stderr)
+                return 1
     return 0
 
 

@@ -65,3 +65,22 @@ async def test_training_runs_while_the_jobs_sampler_worker_generates(tiny_model:
         done, _ = await asyncio.wait([long, trained], return_when=asyncio.FIRST_COMPLETED)
         assert trained in done and not long.done()  # training finished while sampling went on
         await long
+
+
+@pytest.mark.asyncio
+async def test_full_weights_go_worker_to_worker_not_through_the_coordinator(tiny_model: Path) -> None:
+    """With messages capped below the model's size (2.4 MB), a full fine-tune's sync reaches its
+    sampler worker over the workers' data plane; sent through the coordinator (the old path,
+    ``weights_via="coordinator"``) the same sync fails with a typed error, and the job goes on."""
+    for via in ("workers", "coordinator"):
+        cluster = plexrl.local(workers=2, max_message_bytes=1 << 20, snapshot_max_bytes=0, weights_via=via)
+        async with cluster, plexrl.job("full", tiny_model, lora=None, placement="disaggregated", seed=1) as job:
+            out = await job.generate(PROMPTS, SAMPLING)
+            await job.optimize(plexrl.grpo_batch(PROMPTS, out, [float(len(s.tokens)) for s in out.samples]))
+            if via == "workers":
+                assert (await job.sync_weights()).weight_version == 1
+                assert (await job.generate(PROMPTS, SAMPLING)).weight_version == 1
+            else:
+                with pytest.raises(plexrl.errors.MessageTooLargeError, match="limit"):
+                    await job.sync_weights()
+                assert (await job.generate(PROMPTS, SAMPLING)).weight_version == 0

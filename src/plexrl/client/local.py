@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from plexrl.client.connection import Client
+from plexrl.client.hosts import Host
 from plexrl.errors import LocalClusterError
 from plexrl.protocol import auth
 
@@ -61,6 +62,8 @@ class LocalCluster:
         move_prior_s: float | None = None,
         level_service_s: tuple[float, ...] | None = None,
         metrics_port: int | None = None,
+        weights_via: str = "workers",
+        hosts: list[Host] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: an embedded cluster needs at least one worker")
@@ -98,6 +101,10 @@ class LocalCluster:
         self.elastic = elastic
         self.move_prior_s = move_prior_s  # with elastic: what a move costs until one is measured (None: default)
         self.level_service_s = level_service_s  # service seconds moving trajectories down levels (None: default)
+        self.weights_via = weights_via  # "workers" (their data plane) or "coordinator" (bench/weights.py's baseline)
+        # On several hosts (network namespaces, client/hosts.py): the coordinator on the first, worker
+        # i on host 1 + i (round robin over the rest); None: all on this one, over loopback.
+        self.hosts = hosts
         self.metrics_port = metrics_port  # the coordinator's Prometheus endpoint on 127.0.0.1 (None: none)
         # Pinned: worker i gets cores of its own (the last ones, so the coordinator and this script,
         # which run on the first, rarely compete with a worker); None: no pinning.
@@ -111,8 +118,17 @@ class LocalCluster:
         self.client: Client | None = None
         self.keys: Path | None = None  # this run's key directory, while the cluster runs
 
-    def _command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "plexrl", *args, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+    def _command(self, host: Host | None, *args: str) -> list[str]:
+        argv = [sys.executable, "-m", "plexrl", *args, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        return host.command(argv) if host is not None else argv
+
+    def host_of(self, worker: int | None) -> Host | None:
+        """The host of worker ``worker`` (None: the coordinator's); None when all run on this one."""
+        if not self.hosts:
+            return None
+        if worker is None or len(self.hosts) == 1:
+            return self.hosts[0]
+        return self.hosts[1 + worker % (len(self.hosts) - 1)]
 
     async def __aenter__(self) -> Client:
         try:
@@ -179,9 +195,10 @@ class LocalCluster:
         extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
         self.coordinator = await asyncio.create_subprocess_exec(
             *self._command(
+                self.host_of(None),
                 "coordinator",
                 "--keys", str(self.keys),
-                "--bind", self.address or "tcp://127.0.0.1:0",
+                "--bind", self.address or f"tcp://{host.address if (host := self.host_of(None)) else '127.0.0.1'}:0",
                 "--print-address",
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
                 "--heartbeat-liveness", str(self.heartbeat_liveness),
@@ -193,6 +210,7 @@ class LocalCluster:
                 *(["--journal", os.fspath(self.journal)] if self.journal is not None else []),
                 *(["--elastic"] if self.elastic else []),
                 *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
+                "--weights-via", self.weights_via,
                 *(["--move-prior", str(self.move_prior_s)] if self.move_prior_s is not None else []),
                 *(["--level-service", ",".join(map(str, self.level_service_s))] if self.level_service_s else []),
                 *extra,
@@ -213,6 +231,7 @@ class LocalCluster:
             raise LocalClusterError("the embedded cluster is not running")
         extra = ["--max-message-bytes", str(self.max_message_bytes)] if self.max_message_bytes else []
         cmd = self._command(
+            self.host_of(i),
             "worker",
             "--coordinator", self.address,
             "--device", self.device,

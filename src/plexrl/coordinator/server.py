@@ -198,6 +198,10 @@ class CoordinatorConfig:
     # A Prometheus endpoint (coordinator/metrics.py) on this port of the bind address's host; 0: a
     # free port (logged); None: none.
     metrics_port: int | None = None
+    # How a disaggregated or pooled job's new weights reach its other workers: "workers", fetched
+    # by them from its home worker's data plane (worker/dataplane.py); "coordinator", through
+    # this process in the calls' messages (what bench/weights.py measures the data plane against).
+    weights_via: str = "workers"
 
 
 class Coordinator:
@@ -831,15 +835,12 @@ class Coordinator:
         match rec.call, done.result:
             case calls.Open(spec=spec, tenant=tenant), calls.Opened():
                 follow, held = calls.Open(spec=spec, replica=True, tenant=tenant), done
-            case calls.SyncWeights(), calls.Synced(weight_version=version, tensors=tensors) if tensors is not None:
-                follow = calls.SetWeights(weight_version=version, tensors=tensors)
-                held = m.CallDone(rid=done.rid, job_id=done.job_id, result=calls.Synced(weight_version=version))
-            case calls.Load(), calls.Loaded(path=path, weight_version=version, step=step, tensors=tensors) if (
-                tensors is not None
+            case calls.SyncWeights() | calls.Load(), calls.Synced() | calls.Loaded() if weights := _weights_of(
+                done.result
             ):
-                follow = calls.SetWeights(weight_version=version, tensors=tensors)
-                loaded = calls.Loaded(path=path, weight_version=version, step=step)
-                held = m.CallDone(rid=done.rid, job_id=done.job_id, result=loaded)
+                follow = weights
+                result = msgspec.structs.replace(done.result, tensors=None, source=None)
+                held = m.CallDone(rid=done.rid, job_id=done.job_id, result=result)
             case calls.Close(), _:
                 follow, held = calls.Close(), done
             case _:
@@ -886,14 +887,13 @@ class Coordinator:
     def _keep_weights(self, job: _JobRecord, result: calls.Result) -> calls.Result:
         """A pooled job's sync_weights or load exported its weights: kept for its rollout workers
         (``_replicate``), not passed on to the client."""
-        match result:
-            case (
-                calls.Synced(weight_version=version, tensors=tensors)
-                | calls.Loaded(weight_version=version, tensors=tensors)
-            ) if tensors is not None:
-                job.weights = calls.SetWeights(weight_version=version, tensors=tensors)
-                return msgspec.structs.replace(result, tensors=None)
-        return result
+        weights = _weights_of(result)
+        if weights is None:
+            return result
+        job.weights = weights
+        if isinstance(result, calls.Opened):
+            return msgspec.structs.replace(result, source=None)
+        return msgspec.structs.replace(result, tensors=None, source=None)
 
     def _settle_move(self, worker_id: str) -> None:
         """Finish a ``MoveWorker`` once nothing of the old role runs there: a worker leaving
@@ -954,7 +954,8 @@ class Coordinator:
                 # A disaggregated job's sampler worker, or a pooled job's rollout workers, get the weights next.
                 export = job is not None and (bool(job.sampler_id) or job.pooled)
                 if export and isinstance(call, calls.SyncWeights):
-                    call = calls.SyncWeights(export=True)
+                    via_coordinator = self.config.weights_via == "coordinator"
+                    call = calls.SyncWeights(export=not via_coordinator, inline=via_coordinator)
                 if export and isinstance(call, calls.Load):
                     call = msgspec.structs.replace(call, export=True)
                 if job is not None and job.recoverable and isinstance(call, calls.OptimStep | calls.Load):
@@ -1029,7 +1030,8 @@ class Coordinator:
             return
         assert job.open is not None
         call_id = next(self._call_ids)
-        call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay))
+        # A pooled job's rollout workers fetch its weights from its new home from now on.
+        call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay), export=job.pooled)
         self._calls[call_id] = _CallRecord(call_id, job.job_id, b"", 0, call)
         self._apply(ev.CallSubmitted(call_id, job.job_id, "restore", front=True))
 
@@ -1179,3 +1181,17 @@ async def run_coordinator(config: CoordinatorConfig, on_ready: Callable[[str], N
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, coordinator.stop)
     await coordinator.serve(on_ready)
+
+
+def _weights_of(result: calls.Result) -> calls.SetWeights | None:
+    """What gives a job's other workers the weights ``result`` exported (where they are published,
+    or the tensors themselves when they go through the coordinator); None if it exported none."""
+    match result:
+        case (
+            calls.Synced(weight_version=v, tensors=t, source=src)
+            | calls.Loaded(weight_version=v, tensors=t, source=src)
+        ):
+            return calls.SetWeights(weight_version=v, tensors=t, source=src) if t is not None or src else None
+        case calls.Opened(source=src) if src is not None:
+            return calls.SetWeights(weight_version=src.weight_version, source=src)
+    return None

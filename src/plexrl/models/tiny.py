@@ -26,15 +26,16 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def tiny_config() -> Any:
-    """A fresh ``transformers.Qwen2Config`` built from :data:`TINY_CONFIG`."""
+def tiny_config(**overrides: Any) -> Any:
+    """A fresh ``transformers.Qwen2Config`` built from :data:`TINY_CONFIG` and ``overrides``."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(**TINY_CONFIG)
+    return Qwen2Config(**{**TINY_CONFIG, **overrides})
 
 
-def write_random_model(path: str | Path, seed: int = 0) -> Path:
-    """Save a randomly initialised tiny model (float32 safetensors) to ``path`` and return it."""
+def write_random_model(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a randomly initialised tiny model (float32 safetensors) to ``path`` and return it;
+    ``overrides`` change :data:`TINY_CONFIG` (a bigger model for a bench: ``hidden_size=512``)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -42,7 +43,7 @@ def write_random_model(path: str | Path, seed: int = 0) -> Path:
     # fork_rng: writing a model must not move the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: Any = Qwen2ForCausalLM(tiny_config())
+        model: Any = Qwen2ForCausalLM(tiny_config(**overrides))
     model.to(torch.float32)
     from transformers.utils import logging as hf_logging
 

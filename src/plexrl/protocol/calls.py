@@ -79,18 +79,35 @@ class OptimStep(msgspec.Struct, tag="optim_step", frozen=True):
     reduction: str = "mean"
 
 
+class WeightSource(msgspec.Struct, frozen=True):
+    """Where a job's published weights can be fetched from: a worker's data plane
+    (``worker/dataplane.py``). The coordinator passes it on; the weights never go through it."""
+
+    address: str  # the serving worker's data-plane endpoint, tcp://HOST:PORT
+    key: bytes  # its CurveZMQ public key (b"": a loopback cluster without keys)
+    job_id: str
+    weight_version: int
+    token: bytes  # the capability to fetch these weights: only their holder's requests are answered
+    nbytes: int  # the weights' size, the fetcher's message limit
+
+
 class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
     """Publish the trainer's weights to the sampler; the weight version goes up by one.
-    ``export``: also return them (for a disaggregated job's sampler worker)."""
+    ``export``: also publish them for other workers' samplers (a disaggregated or pooled job);
+    ``inline``: return the tensors themselves instead, to go through the coordinator (the
+    baseline ``bench/weights.py`` measures the data plane against)."""
 
     export: bool = False
+    inline: bool = False
 
 
 class SetWeights(msgspec.Struct, tag="set_weights", frozen=True):
-    """The coordinator's push of a disaggregated job's new weights to its sampler worker."""
+    """The coordinator's push of a disaggregated or pooled job's new weights to a sampler worker:
+    fetched from ``source`` (the home worker's data plane), or given as ``tensors`` (inline)."""
 
     weight_version: int
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray] | None = None
+    source: WeightSource | None = None
 
 
 class Save(msgspec.Struct, tag="save", frozen=True):
@@ -102,7 +119,7 @@ class Save(msgspec.Struct, tag="save", frozen=True):
 
 class Load(msgspec.Struct, tag="load", frozen=True):
     path: str
-    export: bool = False  # also return the loaded weights (for a disaggregated job's sampler worker)
+    export: bool = False  # also publish the loaded weights (for a disaggregated job's sampler worker)
     snapshot: bool = False  # also return the job's Snapshot after the load (set by the coordinator)
 
 
@@ -119,6 +136,7 @@ class Restore(msgspec.Struct, tag="restore", frozen=True):
     open: Open
     snapshot: Snapshot | None
     replay: list[ForwardBackward | SyncWeights] = []
+    export: bool = False  # also publish the weights its sampler serves (a pooled job's rollout workers fetch them)
 
 
 Call = (
@@ -142,6 +160,7 @@ class Opened(msgspec.Struct, tag="opened", frozen=True):
     total_params: int
     state_bytes: int = 0  # the job's movable state on its worker's device (what residency moves)
     snapshots: bool = False  # its optim_steps and loads return a Snapshot when asked (see Open)
+    source: WeightSource | None = None  # after Restore(export=True): where its sampler's weights are published
 
 
 class Generated(msgspec.Struct, tag="generated", frozen=True):
@@ -189,7 +208,8 @@ class OptimStepResult(msgspec.Struct, tag="optim_step_result", frozen=True):
 
 class Synced(msgspec.Struct, tag="synced", frozen=True):
     weight_version: int
-    tensors: dict[str, np.ndarray] | None = None  # with SyncWeights(export=True) only
+    tensors: dict[str, np.ndarray] | None = None  # with SyncWeights(inline=True), or from the engine to its worker
+    source: WeightSource | None = None  # with SyncWeights(export=True): where they are published
 
 
 class Saved(msgspec.Struct, tag="saved", frozen=True):
@@ -202,8 +222,9 @@ class Loaded(msgspec.Struct, tag="loaded", frozen=True):
     path: str
     weight_version: int
     step: int
-    tensors: dict[str, np.ndarray] | None = None  # with Load(export=True) only
+    tensors: dict[str, np.ndarray] | None = None  # from the engine to its worker, with Load(export=True)
     snapshot: Snapshot | None = None  # with Load(snapshot=True) only (the coordinator keeps it)
+    source: WeightSource | None = None  # with Load(export=True): where the loaded weights are published
 
 
 class Closed(msgspec.Struct, tag="closed", frozen=True):

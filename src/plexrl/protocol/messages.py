@@ -8,6 +8,7 @@ worker's reply echoes it. Evolution rule (msgspec): new fields get defaults and 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from plexrl.protocol.calls import Call, JobSpec, Opened, Result
 from plexrl.trace import Span
@@ -264,10 +265,26 @@ class Abort(Envelope, tag="abort", frozen=True):
     ``CallAbortedError``. A call the engine cannot interrupt finishes as usual."""
 
 
+# -- worker <-> worker (the data plane, worker/dataplane.py) -------------------------------------
+
+
+class FetchWeights(Envelope, tag="fetch_weights", frozen=True):
+    """Ask a worker for a job's published weights; answered by ``Weights`` or ``ErrorReply``."""
+
+    job_id: str
+    weight_version: int
+    token: bytes  # from the WeightSource the coordinator passed on
+
+
+class Weights(Envelope, tag="weights", frozen=True):
+    tensors: dict[str, np.ndarray]
+
+
 ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | TraceRequest | Reattach | Heartbeat
 CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | TraceReply | Reattached | Heartbeat | Shutdown
 WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | Heartbeat
 CoordinatorToWorker = Registered | Execute | MoveState | Abort | Heartbeat | Shutdown
+WorkerToWorker = FetchWeights | Weights | ErrorReply
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
 ToCoordinator = (
     Hello

@@ -13,6 +13,7 @@ import os
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from plexrl.errors import InvalidRequestError, UnknownJobError
@@ -121,9 +122,9 @@ class Engine:
                 return job.forward_backward(batch, loss, config, forward_only=only, return_logprobs=lps)
             case OptimStep(snapshot=snapshot, adam=adam, reduction=reduction):
                 return job.optim_step(snapshot, adam, reduction)
-            case SyncWeights(export=export):
-                return job.sync_weights(export)
-            case SetWeights(weight_version=version, tensors=tensors):
+            case SyncWeights(export=export, inline=inline):
+                return job.sync_weights(export or inline)  # the worker publishes exported tensors (dataplane.py)
+            case SetWeights(weight_version=version, tensors=tensors) if tensors is not None:
                 return job.set_weights(version, tensors)
             case Save(path=path, format=fmt):
                 return job.save(self._checkpoint_path(job_id, path), fmt)
@@ -134,6 +135,10 @@ class Engine:
                 self._tenants.pop(job_id, None)
                 return job.close()
         raise InvalidRequestError(f"the engine cannot execute {type(call).__name__} calls")
+
+    def served_weights(self, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
+        """The weights the job's sampler serves now, and their version (to publish for other workers)."""
+        return self._job(job_id).served_weights()
 
     def _checkpoint_path(self, job_id: str, path: str) -> str:
         if self.checkpoint_root is None:

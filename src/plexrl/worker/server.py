@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+import numpy as np
 import zmq
 
 from plexrl.errors import CallAbortedError, CallFailedError, PlexError
@@ -32,6 +34,7 @@ from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
 from plexrl.protocol.liveness import Liveness
+from plexrl.worker.dataplane import DataPlane, host_toward
 
 if TYPE_CHECKING:
     from plexrl.worker.memory import Moved
@@ -55,6 +58,10 @@ class CallEngine(Protocol):
         ...
 
     def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
+
+    def served_weights(self, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
+        """The weights the job's sampler serves now, and their version (to publish for other workers)."""
+        ...
 
     def move(self, job_id: str, to: str) -> Moved:
         """Move the job's state to ``to`` (``device`` or ``host``); runs on the worker's move thread."""
@@ -93,6 +100,7 @@ class WorkerConfig:
     checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
     role: str = "both"  # "rollout" | "train" | "both" (the coordinator's events.ROLES)
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
+    data_host: str | None = None  # the address its data plane serves weights on (None: toward the coordinator)
 
 
 EXIT_HUNG = 75  # the exit status of a worker declared hung (EX_TEMPFAIL: a supervisor starts it again)
@@ -162,6 +170,9 @@ class Worker:
         """Register, serve, and register again whenever the coordinator is lost, until stopped."""
         engine = self._new_engine()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        host = self.config.data_host or host_toward(self.config.coordinator)
+        self._data = DataPlane(ctx, host, self.config.credentials)
+        log.info("data plane at %s", self._data.address)
         try:
             while not self._stopping.is_set():
                 try:
@@ -170,10 +181,12 @@ class Worker:
                     if e.exit:
                         _exit_hung(f"the coordinator declared this worker hung ({e})")
                     log.info("coordinator lost (%s): dropping all job state and registering again", e)
+                    self._data.clear()
                     engine.close()
                     engine = self._new_engine()
         finally:
             self._moves.shutdown(wait=True)
+            self._data.close()
             engine.close()
             ctx.term()
 
@@ -257,10 +270,32 @@ class Worker:
             sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, rejected)), copy=False)
             return
         if background is None:
-            sock.send_multipart(self._reply(ex, start, lambda: engine.execute(ex.job_id, ex.call)), copy=False)
+            sock.send_multipart(self._reply(ex, start, lambda: self._run(engine, ex.job_id, ex.call)), copy=False)
         else:
             self._running[ex.rid] = background
             background.add_done_callback(lambda f: self._later(functools.partial(self._finished_call, ex, start, f)))
+
+    def _run(self, engine: CallEngine, job_id: str, call: calls.Call) -> calls.Result:
+        """Run ``call`` on the engine, with the data plane around it: weights a ``SetWeights``
+        names are fetched from the worker serving them first; weights a call exports are
+        published here after, and the coordinator hears where."""
+        match call:
+            case calls.SetWeights(weight_version=version, source=source) if source is not None:
+                call = calls.SetWeights(weight_version=version, tensors=self._data.fetch(source))
+            case calls.Close():
+                self._data.forget(job_id)
+        result = engine.execute(job_id, call)
+        match call, result:
+            case calls.SyncWeights(export=True, inline=False), calls.Synced(weight_version=v, tensors=t) if (
+                t is not None
+            ):
+                return calls.Synced(weight_version=v, source=self._data.publish(job_id, v, t))
+            case calls.Load(export=True), calls.Loaded(weight_version=v, tensors=t) if t is not None:
+                return msgspec.structs.replace(result, tensors=None, source=self._data.publish(job_id, v, t))
+            case calls.Restore(export=True), calls.Opened():
+                version, tensors = engine.served_weights(job_id)
+                return msgspec.structs.replace(result, source=self._data.publish(job_id, version, tensors))
+        return result
 
     def _start_move(self, engine: CallEngine, msg: m.MoveState) -> None:
         move = self._moves.submit(engine.move, msg.job_id, msg.to)

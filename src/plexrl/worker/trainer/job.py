@@ -358,6 +358,15 @@ class WorkerJob:
         """The trainer weights as arrays, for another worker's sampler."""
         return {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
 
+    def served_weights(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The weights its sampler serves and their version: the trainer's if it has not stepped
+        since they were published, else the copy a job with snapshots keeps."""
+        if self._published_step == self.step:
+            return self.weight_version, self._export()
+        if self._published is None:
+            raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
+        return self.weight_version, {k: t.numpy().copy() for k, t in self._published.items()}
+
     def set_weights(self, version: int, tensors: dict[str, np.ndarray]) -> Synced:
         """Serve ``tensors`` (another worker's trainer weights) as ``version``: a disaggregated
         job's sampler replica. Checks everything before changing anything."""

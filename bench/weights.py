@@ -1,0 +1,171 @@
+"""A full model's weights from a job's home worker to its sampler worker: over the workers' data
+plane (worker/dataplane.py) against through the coordinator (``--weights-via coordinator``, the
+path before it), on hosts with links of a set bandwidth.
+
+    python bench/weights.py [--reps 3] [--syncs 3] [--mbit 1000]     (root: network namespaces)
+
+The hosts are network namespaces on this machine (client/hosts.py), each sending at most
+``--mbit`` (a token bucket on its link; 1000 = the gigabit network of a workstation cluster).
+Two topologies:
+
+* ``same host``: the coordinator on a host of its own, the job's home and sampler workers on one
+  host (a GPU node's trainer and sampler replica); the data plane stays on that host, the
+  coordinator's path crosses the network twice;
+* ``other hosts``: home and sampler on two hosts; both paths cross the network, the coordinator's
+  twice (store and forward), so the most it can lose by is about 2x.
+
+The job is a disaggregated full fine-tune of a ~103 MB float32 model (Qwen2, hidden 512, 8
+layers). One measure is the user's: ``sync_weights`` from call to the sampler serving the new
+weights (export on the home worker, transfer, load into vLLM on the sampler worker). Each rep
+starts a fresh cluster per mode (modes alternate, so drift hits both), takes ``--syncs`` timed
+syncs after one warm-up, and keeps their median; reps give the spread. Beside it, the link's copy
+bandwidth: one 103 MB ZeroMQ message between the same hosts, nothing else. The last line,
+``same_host_speedup=<median>``, is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+import plexrl
+from plexrl.client import hosts
+from plexrl.models import write_random_model
+
+BIG = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 8,
+       "intermediate_size": 1664}  # fmt: skip
+PROMPTS = [[1, 5, 6, 7], [1, 9, 10]]
+MODES = ("workers", "coordinator")
+
+
+def _copy_server(address: str, nbytes: int) -> None:
+    """Answer each request with ``nbytes`` in one message (run on the sending host)."""
+    sock = zmq.Context().socket(zmq.REP)
+    sock.bind(address)
+    payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    print("ready", flush=True)
+    while sock.recv() != b"stop":
+        sock.send(payload.data, copy=False)
+    sock.send(b"")
+
+
+def _copy_client(address: str, reps: int) -> None:
+    """Ask for the payload ``reps`` times; print each transfer's seconds (run on the receiving host)."""
+    sock = zmq.Context().socket(zmq.REQ)
+    sock.connect(address)
+    for _ in range(reps + 1):  # the first one opens the connection
+        start = time.perf_counter()
+        sock.send(b"go")
+        sock.recv(copy=False)
+        print(time.perf_counter() - start, flush=True)
+    sock.send(b"stop")
+    sock.recv()
+
+
+def link_copy_s(source: hosts.Host, sink: hosts.Host, nbytes: int, reps: int) -> list[float]:
+    """Seconds one ``nbytes`` message takes from ``source`` to ``sink`` (bare ZeroMQ, no decoding)."""
+    address = f"tcp://{source.address}:7399"
+    me = [sys.executable, __file__]
+    server = subprocess.Popen(source.command([*me, "--copy-server", address, str(nbytes)]), stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        server.stdout.readline()
+        out = subprocess.run(
+            sink.command([*me, "--copy-client", address, str(reps)]), capture_output=True, text=True, check=True
+        ).stdout
+        return [float(x) for x in out.split()][1:]
+    finally:
+        server.wait(timeout=30)
+
+
+async def sync_seconds(model: Path, net: hosts.Network, mode: str, syncs: int) -> tuple[float, int]:
+    """The median seconds of ``syncs`` timed ``sync_weights`` of a disaggregated full fine-tune
+    job on a fresh cluster (after one warm-up), and the bytes each pushed."""
+    cluster = plexrl.local(
+        workers=2, hosts=net.hosts, weights_via=mode, max_message_bytes=1 << 28, snapshot_max_bytes=0
+    )
+    async with cluster, plexrl.job("push", model, lora=None, placement="disaggregated", seed=1) as job:
+        out = await job.generate(PROMPTS, plexrl.SamplingParams(n=2, max_tokens=4, temperature=1.0))
+        batch = plexrl.grpo_batch(PROMPTS, out, [float(i % 2) for i in range(len(out.samples))])
+        seconds = []
+        for i in range(syncs + 1):
+            await job.optimize(batch, loss="grpo")
+            start = time.perf_counter()
+            synced = await job.sync_weights()
+            if i:
+                seconds.append(time.perf_counter() - start)
+            assert (await job.generate(PROMPTS[:1], plexrl.SamplingParams(max_tokens=2))).weight_version == (
+                synced.weight_version
+            )
+    nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return statistics.median(seconds), nbytes
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):6.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+async def topology(name: str, model: Path, net: hosts.Network, args: argparse.Namespace) -> list[float]:
+    home, sampler = net.hosts[1], net.hosts[-1]  # same host: both are net.hosts[1]
+    nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    to_coordinator = link_copy_s(home, net.hosts[0], nbytes, 3)
+    direct = link_copy_s(home, sampler, nbytes, 3)
+    print(f"\n{name}: {len(net.hosts)} hosts, {args.mbit} Mbit/s links", flush=True)
+    print(f"  link copy, home -> coordinator's host: {nbytes / statistics.median(to_coordinator) / 1e6:7.1f} MB/s")
+    print(f"  link copy, home -> sampler's host:     {nbytes / statistics.median(direct) / 1e6:7.1f} MB/s")
+    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for rep in range(args.reps):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            s, _ = await sync_seconds(model, net, mode, args.syncs)
+            runs[mode].append(s)
+            print(f"  rep {rep + 1}/{args.reps} {mode:>11}: sync_weights {s:.2f} s", flush=True)
+    speedups = [c / w for w, c in zip(runs["workers"], runs["coordinator"], strict=True)]
+    bound = statistics.median(to_coordinator) * 2 / statistics.median(direct)
+    print(f"  {'path':<24} {'sync_weights s, median [range]':>32} {'MB/s':>8}")
+    for mode in MODES:
+        label = "worker -> worker" if mode == "workers" else "through the coordinator"
+        print(f"  {label:<24} {_spread(runs[mode]):>32} {nbytes / statistics.median(runs[mode]) / 1e6:8.1f}")
+    print(
+        f"  speedup (paired by rep): {_spread(speedups)}x; the links' limit: 2 x coordinator link / direct = {bound:.1f}x"
+    )
+    return speedups
+
+
+async def main(args: argparse.Namespace) -> None:
+    if (why := hosts.available()) is not None:
+        sys.exit(f"bench/weights.py makes network namespaces: {why}")
+    model = write_random_model(Path(tempfile.mkdtemp()) / "big", seed=0, **BIG)
+    nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    print(f"model: {nbytes / 1e6:.1f} MB of float32 weights; {args.reps} reps x {args.syncs} syncs per mode")
+    results = {}
+    for name, count in (("same host", 2), ("other hosts", 3)):
+        with hosts.Network(count, prefix="plexw") as net:
+            for host in net.hosts:
+                host.shape(args.mbit)
+            results[name] = await topology(name, model, net, args)
+    print(f"\nother_hosts_speedup={statistics.median(results['other hosts']):.2f}")
+    print(f"same_host_speedup={statistics.median(results['same host']):.2f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--copy-server":
+        _copy_server(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--copy-client":
+        _copy_client(sys.argv[2], int(sys.argv[3]))
+    else:
+        parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+        parser.add_argument("--reps", type=int, default=3)
+        parser.add_argument("--syncs", type=int, default=3, help="timed syncs per cluster (their median is a rep)")
+        parser.add_argument("--mbit", type=int, default=1000, help="each host's link, Mbit/s")
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        asyncio.run(main(parser.parse_args()))
