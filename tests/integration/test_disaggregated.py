@@ -78,7 +78,9 @@ async def test_full_weights_go_worker_to_worker_not_through_the_coordinator(tiny
             out = await job.generate(PROMPTS, SAMPLING)
             await job.optimize(plexrl.grpo_batch(PROMPTS, out, [float(len(s.tokens)) for s in out.samples]))
             if via == "workers":
-                assert (await job.sync_weights()).weight_version == 1
+                synced = await job.sync_weights()
+                assert synced.weight_version == 1 and synced.tensors is None and synced.source is None
+                assert synced.push_s > 0  # the sampler worker timed the fetch
                 assert (await job.generate(PROMPTS, SAMPLING)).weight_version == 1
             else:
                 with pytest.raises(plexrl.errors.MessageTooLargeError, match="limit"):

@@ -742,6 +742,8 @@ class Coordinator:
             job.calls_done += 1
         if isinstance(msg, m.CallDone):
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
+            if isinstance(result, calls.Synced) and isinstance(msg.result, calls.Synced) and msg.result.push_s:
+                result = msgspec.structs.replace(result, push_s=msg.result.push_s)  # the sampler worker timed it
             if job is not None and job.pooled:
                 result = self._keep_weights(job, result)
             if isinstance(result, calls.Opened):
@@ -1187,11 +1189,10 @@ def _weights_of(result: calls.Result) -> calls.SetWeights | None:
     """What gives a job's other workers the weights ``result`` exported (where they are published,
     or the tensors themselves when they go through the coordinator); None if it exported none."""
     match result:
-        case (
-            calls.Synced(weight_version=v, tensors=t, source=src)
-            | calls.Loaded(weight_version=v, tensors=t, source=src)
-        ):
-            return calls.SetWeights(weight_version=v, tensors=t, source=src) if t is not None or src else None
+        case calls.Synced(weight_version=v, tensors=t, source=src, exported_at=at) if t is not None or src:
+            return calls.SetWeights(weight_version=v, tensors=t, source=src, exported_at=at)
+        case calls.Loaded(weight_version=v, tensors=t, source=src) if t is not None or src:
+            return calls.SetWeights(weight_version=v, tensors=t, source=src)
         case calls.Opened(source=src) if src is not None:
             return calls.SetWeights(weight_version=src.weight_version, source=src)
     return None

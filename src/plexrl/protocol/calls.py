@@ -108,6 +108,7 @@ class SetWeights(msgspec.Struct, tag="set_weights", frozen=True):
     weight_version: int
     tensors: dict[str, np.ndarray] | None = None
     source: WeightSource | None = None
+    exported_at: float = 0.0  # when the home worker had them exported (wall clock): times the push
 
 
 class Save(msgspec.Struct, tag="save", frozen=True):
@@ -210,6 +211,10 @@ class Synced(msgspec.Struct, tag="synced", frozen=True):
     weight_version: int
     tensors: dict[str, np.ndarray] | None = None  # with SyncWeights(inline=True), or from the engine to its worker
     source: WeightSource | None = None  # with SyncWeights(export=True): where they are published
+    exported_at: float = 0.0  # with tensors or source: when the home worker had them (wall clock)
+    # A disaggregated job's sync: seconds from the export on its home worker to the weights in its
+    # sampler worker's memory (the push alone; loading them into the engine comes after).
+    push_s: float = 0.0
 
 
 class Saved(msgspec.Struct, tag="saved", frozen=True):

@@ -280,16 +280,22 @@ class Worker:
         names are fetched from the worker serving them first; weights a call exports are
         published here after, and the coordinator hears where."""
         match call:
-            case calls.SetWeights(weight_version=version, source=source) if source is not None:
-                call = calls.SetWeights(weight_version=version, tensors=self._data.fetch(source))
+            case calls.SetWeights(source=source) if source is not None:
+                call = msgspec.structs.replace(call, tensors=self._data.fetch(source), source=None)
             case calls.Close():
                 self._data.forget(job_id)
+        received = time.time()  # a SetWeights' tensors are in memory now (inline ones came with the call)
         result = engine.execute(job_id, call)
         match call, result:
+            case calls.SetWeights(exported_at=exported), calls.Synced() if exported:
+                return msgspec.structs.replace(result, push_s=max(0.0, received - exported))
             case calls.SyncWeights(export=True, inline=False), calls.Synced(weight_version=v, tensors=t) if (
                 t is not None
             ):
-                return calls.Synced(weight_version=v, source=self._data.publish(job_id, v, t))
+                source = self._data.publish(job_id, v, t)
+                return calls.Synced(weight_version=v, source=source, exported_at=time.time())
+            case calls.SyncWeights(inline=True), calls.Synced(tensors=t) if t is not None:
+                return msgspec.structs.replace(result, exported_at=time.time())
             case calls.Load(export=True), calls.Loaded(weight_version=v, tensors=t) if t is not None:
                 return msgspec.structs.replace(result, tensors=None, source=self._data.publish(job_id, v, t))
             case calls.Restore(export=True), calls.Opened():
