@@ -9,8 +9,9 @@ The hosts are network namespaces on this machine (client/hosts.py), each sending
 Two topologies:
 
 * ``same host``: the coordinator on a host of its own, the job's home and sampler workers on one
-  host (a GPU node's trainer and sampler replica); the data plane stays on that host, the
-  coordinator's path crosses the network twice;
+  host (a GPU node's trainer and sampler replica); the data plane stays on that host (a Unix
+  socket, unencrypted: nothing crosses a network), the coordinator's path crosses the network
+  twice, encrypted (CurveZMQ, as every connection to the coordinator is);
 * ``other hosts``: home and sampler on two hosts; both paths cross the network, the coordinator's
   twice (store and forward), so the most it can lose by is about 2x.
 

@@ -17,7 +17,8 @@ from plexrl.types import Batch, Ragged, SamplingParams
 
 def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusRequest | m.Reattach | m.Heartbeat
                         | m.Register | m.CallDone | m.ErrorReply | m.StateMoved | m.Execute | m.MoveState
-                        | m.Shutdown | m.Welcome | m.TraceRequest | m.TraceReply]:  # fmt: skip
+                        | m.Shutdown | m.Welcome | m.TraceRequest | m.TraceReply | m.FetchWeights
+                        | m.Weights]:  # fmt: skip
     """One real message of every kind (arrays in frames of their own and inline, nested calls)."""
     rows = Ragged.from_rows([np.arange(300) % 60, np.arange(5)], "int32")
     batch = Batch(
@@ -26,6 +27,7 @@ def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusReque
         sampler_logprobs=Ragged.from_rows([-np.ones(298), -np.ones(3)], "float32"),
         advantages_B=np.array([0.5, -0.5], np.float32),
     )
+    source = calls.WeightSource("tcp://10.0.0.2:5555", b"k" * 40, "j-1", 2, b"t" * 16, nbytes=16)
     snapshot = calls.Snapshot(step=1, weight_version=1, trainer={"w": np.ones(4, np.float32)}, optimizer=b"\x80")
     messages = [
         m.Hello(rid=1, client_name="c"),
@@ -47,6 +49,10 @@ def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusReque
         m.Welcome(rid=17, client_id="c", heartbeat_interval_s=1.0, heartbeat_liveness=5),
         m.TraceRequest(rid=18),
         m.TraceReply(rid=19, spans=[Span("local-0", "j-1", "generate", 1.0, 1.5, queued_s=0.1)], dropped=2),
+        m.CallDone(rid=20, job_id="j-1", result=calls.Synced(weight_version=2, source=source, exported_at=1.5)),
+        m.Execute(rid=21, job_id="j-1", call=calls.SetWeights(weight_version=2, source=source, exported_at=1.5)),
+        m.FetchWeights(rid=22, job_id="j-1", weight_version=2, token=b"t" * 16),
+        m.Weights(rid=23, tensors={"w": np.ones(4, np.float32), "big": np.zeros(600, np.float32)}),
     ]  # fmt: skip
     return messages
 
@@ -94,7 +100,12 @@ def mutate(data: bytes, rng: np.random.Generator, edits: int = 4) -> bytes:
     return bytes(out)
 
 
-DECODED = (m.ToCoordinator, m.CoordinatorToWorker, m.CoordinatorToClient)  # every union a peer decodes
+DECODED = (
+    m.ToCoordinator,
+    m.CoordinatorToWorker,
+    m.CoordinatorToClient,
+    m.WorkerToWorker,
+)  # every union a peer decodes
 
 
 def decode_or_refuse(frames: list[bytes], codecs: list[Codec[object]]) -> None:

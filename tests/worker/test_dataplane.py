@@ -36,8 +36,10 @@ def keys(tmp_path: Path) -> tuple[auth.Credentials, auth.Credentials]:
     return auth.Credentials(home, pair.public), auth.Credentials(sampler, pair.public)
 
 
-def planes(ctx: zmq.Context[zmq.Socket[bytes]], *credentials: auth.Credentials | None) -> list[DataPlane]:
-    return [DataPlane(ctx, "127.0.0.1", c) for c in credentials]
+def planes(
+    ctx: zmq.Context[zmq.Socket[bytes]], *credentials: auth.Credentials | None, host: str = "127.0.0.1"
+) -> list[DataPlane]:
+    return [DataPlane(ctx, host, c) for c in credentials]
 
 
 def test_published_weights_are_fetched_whole(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -45,6 +47,7 @@ def test_published_weights_are_fetched_whole(ctx: zmq.Context[zmq.Socket[bytes]]
     try:
         source = home.publish("job-1", 3, WEIGHTS)
         assert source.address == home.address and source.key == b"" and source.weight_version == 3
+        assert source.local == home.local_address and source.local.startswith("ipc://")
         assert source.nbytes == sum(t.nbytes for t in WEIGHTS.values())
         got = sampler.fetch(source)
         assert got.keys() == WEIGHTS.keys()
@@ -56,19 +59,42 @@ def test_published_weights_are_fetched_whole(ctx: zmq.Context[zmq.Socket[bytes]]
         sampler.close()
 
 
-def test_with_keys_the_traffic_is_encrypted_and_a_keyless_fetcher_is_refused(
+def test_with_keys_another_host_fetches_encrypted_and_a_keyless_one_is_refused(
     ctx: zmq.Context[zmq.Socket[bytes]], keys: tuple[auth.Credentials, auth.Credentials]
 ) -> None:
-    home, sampler, keyless = planes(ctx, keys[0], keys[1], None)
+    """127.0.0.2 is another host here (another data address): it fetches over TCP with CurveZMQ."""
+    home, sampler, keyless = [*planes(ctx, keys[0]), *planes(ctx, keys[1], None, host="127.0.0.2")]
     try:
         source = home.publish("job-1", 1, WEIGHTS)
         assert source.key == keys[0].pair.public
         np.testing.assert_array_equal(sampler.fetch(source)["layer.weight"], WEIGHTS["layer.weight"])
         with pytest.raises(CallFailedError, match="--key"):
             keyless.fetch(source)
+        # The same source without its Unix socket: the same-host fetcher goes over TCP, encrypted, too.
+        (neighbour,) = planes(ctx, keys[1])
+        try:
+            over_tcp = WeightSource(**{**_fields(source), "local": ""})
+            np.testing.assert_array_equal(neighbour.fetch(over_tcp)["bias"], WEIGHTS["bias"])
+        finally:
+            neighbour.close()
     finally:
         for plane in (home, sampler, keyless):
             plane.close()
+
+
+def test_a_worker_on_the_same_host_fetches_over_its_unix_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], keys: tuple[auth.Credentials, auth.Credentials]
+) -> None:
+    home, sampler = planes(ctx, keys[0], keys[1])
+    try:
+        source = home.publish("job-1", 1, WEIGHTS)
+        folder = Path(source.local.removeprefix("ipc://")).parent
+        assert folder.stat().st_mode & 0o777 == 0o700  # only this user's processes
+        np.testing.assert_array_equal(sampler.fetch(source)["layer.weight"], WEIGHTS["layer.weight"])
+    finally:
+        home.close()
+        sampler.close()
+    assert not folder.exists()  # removed with the data plane
 
 
 def test_a_fetch_needs_the_token_and_a_kept_version(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

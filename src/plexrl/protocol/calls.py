@@ -89,6 +89,7 @@ class WeightSource(msgspec.Struct, frozen=True):
     weight_version: int
     token: bytes  # the capability to fetch these weights: only their holder's requests are answered
     nbytes: int  # the weights' size, the fetcher's message limit
+    local: str = ""  # ipc:// endpoint for fetchers on the same host (a 0700 folder: this user's processes only)
 
 
 class SyncWeights(msgspec.Struct, tag="sync_weights", frozen=True):
