@@ -153,7 +153,8 @@ async def main(args: argparse.Namespace) -> None:
     nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     print(f"model: {nbytes / 1e6:.1f} MB of float32 weights; {args.reps} reps x {args.syncs} syncs per mode")
     results = {}
-    for name, count in (("other hosts", 3), ("same host", 2)):  # the headline last
+    topologies = (("other hosts", 3), ("same host", 2))  # the headline last
+    for name, count in [(n, c) for n, c in topologies if args.only in (None, n.split()[0])]:
         with hosts.Network(count, prefix="plexw") as net:
             for host in net.hosts:
                 host.shape(args.mbit)
@@ -175,5 +176,6 @@ if __name__ == "__main__":
         parser.add_argument("--reps", type=int, default=3)
         parser.add_argument("--syncs", type=int, default=3, help="timed syncs per cluster (their median is a rep)")
         parser.add_argument("--mbit", type=int, default=1000, help="each host's link, Mbit/s")
+        parser.add_argument("--only", choices=["same", "other"], default=None, help="one topology")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         asyncio.run(main(parser.parse_args()))
