@@ -56,11 +56,8 @@ class Host:
 
     def shape(self, mbit_per_s: int) -> None:
         """Cap what this host sends at ``mbit_per_s`` (a token bucket on its interface)."""
-        subprocess.run(
-            ["ip", "netns", "exec", self.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-             "rate", f"{mbit_per_s}mbit", "burst", "256kb", "latency", "50ms"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        _ip("netns", "exec", self.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+            "rate", f"{mbit_per_s}mbit", "burst", "256kb", "latency", "50ms")  # fmt: skip
 
 
 class Network:
