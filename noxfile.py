@@ -34,7 +34,14 @@ def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tin
 def tests(session: nox.Session) -> None:
     """The whole test suite, vLLM sampler and Tinker cookbook tests included (integration tests start real processes)."""
     _install(session, vllm=True, extras="dev,tinker,cookbook,docs,ray")
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env={"PLEXRL_REQUIRE_VLLM": "1"})
+    env = {"PLEXRL_REQUIRE_VLLM": "1"}
+    if session.posargs:
+        session.run("python", "-m", "pytest", *session.posargs, env=env)
+        return
+    # The in-process unit tests on two cores at once; then, one at a time, the tests that start
+    # processes (their workers pin cores, and a neighbour would make their deadlines flaky).
+    session.run("python", "-m", "pytest", "-q", "-n", "2", "tests/unit", env=env)
+    session.run("python", "-m", "pytest", "-q", "--ignore=tests/unit", env=env)
 
 
 @nox.session
