@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo" / "train.py"
-MARGIN = 0.08  # held-out reward must rise by at least this much (rev, seen: 0.775 -> 0.985 at seed 0)
-STEPS = "50"  # of the example's 150: rev has learned by then, and CI stays short
+MARGIN = 0.08  # held-out reward must rise by at least this much (rev, seen: 0.775 -> 1.000 at seed 0)
 
 
 def _train(out: Path, *args: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(EXAMPLE), "--seed", "0", "--steps", STEPS, "--out", str(out), *args]
+    cmd = [sys.executable, str(EXAMPLE), "--seed", "0", "--out", str(out), *args]
     subprocess.run(cmd, check=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
     return {job["job"]: job for job in summary["jobs"]}
@@ -45,8 +44,7 @@ def test_sharing_a_worker_with_two_other_jobs_does_not_change_learning(alone: di
     # not depend on its neighbours (per-job RNG streams, per-job adapters and optimizers).
     assert shared["rev"]["initial"] == alone["rev"]["initial"]
     assert abs(shared["rev"]["final"] - alone["rev"]["final"]) <= 0.02, (shared["rev"], alone["rev"])
-    # The neighbours run the same 50 steps beside it: in that few, neither add (0.595) nor mul (0.430)
-    # moves its held-out reward (seen: both level; mul learns over the example's 150 steps, the
-    # README's demo), and neither may get worse.
-    assert shared["mul"]["final"] >= shared["mul"]["initial"], shared["mul"]
+    # The neighbours: mul learns; add (0.595 held-out at the start with this model revision) stays
+    # level in 150 steps (seen: 0.595 -> 0.595), and must not get worse.
+    assert shared["mul"]["final"] > shared["mul"]["initial"], shared["mul"]
     assert shared["add"]["final"] >= shared["add"]["initial"], shared["add"]
