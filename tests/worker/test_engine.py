@@ -367,6 +367,54 @@ def test_length_groups_change_nothing_a_step_computes(
     assert_same_weights(weights[0], weights[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_rows_of_zero_advantage_are_not_run_and_the_steps_are_as_if_they_were(
+    tiny_model: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two GRPO steps: a batch with three rows of advantage 0 (a group whose rewards were equal),
+    # then one of only such rows. Against the same steps with every row run through the model
+    # (``return_logprobs`` needs them all): the same token counts, losses and weights (up to float
+    # rounding; the second step moves the weights by AdamW's momentum alone, as a zero gradient does).
+    rows = [[1, *range(3, 3 + n)] for n in (40, 3, 25, 6, 38, 4, 12)]
+    rng = np.random.default_rng(1)
+
+    def batch(advantages: list[float]) -> Batch:
+        return Batch(
+            tokens=Ragged.from_rows(rows, "int32"),
+            prompt_lens_B=np.full(len(rows), 2, np.int32),
+            sampler_logprobs=Ragged.from_rows([(-rng.random(len(r) - 2)).tolist() for r in rows], "float32"),
+            advantages_B=np.array(advantages, np.float32),
+        )
+
+    batches = [batch([0.5, 0.0, -1.2, 0.0, 0.9, 0.0, -0.3]), batch([0.0] * len(rows))]
+    forwarded: list[int] = []
+    forward = trainer_job._forward_logp
+    monkeypatch.setattr(
+        trainer_job,
+        "_forward_logp",
+        lambda model, tokens, *a: forwarded.append(len(tokens)) or forward(model, tokens, *a),
+    )
+    spec = JobSpec(model=str(tiny_model), optimizer=AdamW(lr=1.0, eps=1.0, grad_clip=None))
+    results, weights, rows_run = [], [], []
+    for run_all in (False, True):
+        engine = Engine()
+        engine.execute("j", Open(spec if kind == "lora" else msgspec.structs.replace(spec, lora=None)))
+        for b in batches:
+            forwarded.clear()
+            call = ForwardBackward(b, loss="grpo", return_logprobs=run_all)
+            results.append(run(engine, "j", call, ForwardBackwardResult))
+            rows_run.append(sum(forwarded))
+            engine.execute("j", OptimStep())
+        weights.append(saved_weights(engine, "j", tmp_path / str(run_all)))
+    assert rows_run == [4, 0, 7, 7]  # skipped: the zero rows; run_all: every row, every step
+    skipped, everything = results[:2], results[2:]
+    for a, b in zip(skipped, everything, strict=True):
+        assert a.num_tokens == b.num_tokens
+        assert a.loss == pytest.approx(b.loss, rel=1e-5, abs=1e-7)
+    assert skipped[1].loss == 0.0
+    assert_same_weights(weights[0], weights[1], atol=1e-6)
+
+
 def test_optim_step_counts_steps_and_reports_the_pre_clip_grad_norm(engine: Engine, tiny_model: Path) -> None:
     engine.execute("a", Open(JobSpec(model=str(tiny_model), optimizer=AdamW(grad_clip=1e-6))))
     for step in (1, 2):

@@ -136,7 +136,11 @@ class Job:
     def forward_backward(
         self, batch: Batch, loss: str = "grpo", loss_config: LossConfig | None = None
     ) -> asyncio.Future[calls.ForwardBackwardResult]:
-        """Accumulate the gradient of ``loss`` on ``batch``; applied by the next ``optim_step``."""
+        """Accumulate the gradient of ``loss`` on ``batch``; applied by the next ``optim_step``.
+
+        Rows whose loss is zero at every token (a GRPO group whose rewards were all equal gets
+        advantage 0) are not run through the model: the gradient and the token count, hence the
+        step, are those a run through them would give, without the compute."""
         batch.validate(loss)
         call = calls.ForwardBackward(batch=batch, loss=loss, loss_config=loss_config or LossConfig())
         return self._submit(call, calls.ForwardBackwardResult)

@@ -197,6 +197,9 @@ class LogprobsResult(msgspec.Struct, tag="logprobs_result", frozen=True):
 class ForwardBackwardResult(msgspec.Struct, tag="forward_backward_result", frozen=True):
     loss: float  # the mean over the tokens in the loss (``loss_sum / num_tokens``)
     num_tokens: int
+    # Token means of the loss's terms (ratio_mean, clip_frac, ...) over the rows the trainer ran:
+    # rows whose loss is zero at every token (advantage 0, no KL term) are not run, unless
+    # ``return_logprobs`` asks for their logprobs; their tokens count in ``num_tokens`` all the same.
     metrics: dict[str, float] = {}
     loss_sum: float = 0.0
     logprobs: Ragged | None = None  # with ``return_logprobs``: per completion token, float32

@@ -238,10 +238,18 @@ class WorkerJob:
                 per_token[name] = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device)
                 per_token[name][completion_B_T1] = torch.from_numpy(values.values.astype(np.float32)).to(device)
         token_weights_B_T1, token_advantages_B_T1 = per_token.get("token_weights"), per_token.get("token_advantages")
+        # Rows whose loss is zero at every token whatever the weights (a GRPO group whose rewards
+        # were all equal: advantage 0) add nothing to the gradient: they are not run through the
+        # model, and their tokens still count in the mean, so the step is the one they would give.
+        live = ~_zero_loss_rows(loss, config, mask_B_T1, advantages_B, token_advantages_B_T1,
+                                forward_only or return_logprobs)  # fmt: skip
+        idle_tokens = int(mask_B_T1[~live].sum())
         # Rows of similar length together, each group padded to its own longest row (a long-tailed
         # batch padded to its longest row computes mostly padding); one backward over all groups.
         lengths = batch.tokens.lengths()
-        groups = [(torch.from_numpy(rows).to(device), int(lengths[rows].max())) for rows in length_groups(lengths)]
+        kept = np.flatnonzero(live.cpu().numpy())
+        groups = [(torch.from_numpy(kept[rows]).to(device), int(lengths[kept[rows]].max()))
+                  for rows in length_groups(lengths[kept])]  # fmt: skip
         ref_logps: list[Tensor | None] = [None] * len(groups)
         if loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0:
             with self.base.reference() as reference, torch.no_grad():
@@ -263,14 +271,19 @@ class WorkerJob:
                 weights = None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1]
                 mask = mask_B_T1[r, : n - 1]
                 outs.append(compute_loss(loss, logp, mask, config, sampler_logp, advantages, ref_logp, weights))
-        out = _combined(outs)
+        out = _combined(outs, idle_tokens)
         if not torch.isfinite(out.loss_sum):
             raise CallFailedError(
                 f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
                 "Check the batch's sampler_logprobs and advantages"
             )
         if not forward_only:
-            out.loss_sum.backward()
+            if outs:
+                out.loss_sum.backward()
+            else:  # every row's loss was zero: a zero gradient, as a backward through them would give
+                for param in self.weights.trainer_params.values():
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
             self.pending_tokens += out.num_tokens
         self.progress.tick()
         metrics = out.metrics if staleness is None else {**out.metrics, **staleness}
@@ -549,13 +562,38 @@ def length_groups(lengths: np.ndarray, waste: float = 0.25) -> list[np.ndarray]:
     return [np.array(g, dtype=np.int64) for g in groups]
 
 
-def _combined(outs: list[LossOutput]) -> LossOutput:
-    """One ``LossOutput`` of several row groups' (their sums added, their token means weighted)."""
-    if len(outs) == 1:
-        return outs[0]
+def _combined(outs: list[LossOutput], idle_tokens: int = 0) -> LossOutput:
+    """One ``LossOutput`` of several row groups' (their sums added, their token means weighted),
+    counting ``idle_tokens`` more tokens whose loss is zero (left out of the metrics' means)."""
+    if not outs:
+        return LossOutput(torch.zeros(()), idle_tokens, {})
     num_tokens = sum(o.num_tokens for o in outs)
-    metrics = {k: sum(o.metrics[k] * o.num_tokens for o in outs) / max(num_tokens, 1) for k in outs[0].metrics}
-    return LossOutput(sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum), num_tokens, metrics)
+    metrics = outs[0].metrics
+    if len(outs) > 1:
+        metrics = {k: sum(o.metrics[k] * o.num_tokens for o in outs) / max(num_tokens, 1) for k in metrics}
+    loss_sum = sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum)
+    return LossOutput(loss_sum, num_tokens + idle_tokens, metrics)
+
+
+def _zero_loss_rows(
+    loss: str,
+    config: LossConfig,
+    mask_B_T1: Tensor,
+    advantages_B: Tensor | None,
+    token_advantages_B_T1: Tensor | None,
+    keep_all: bool,
+) -> Tensor:
+    """[B] bool: the rows whose loss is zero at every token, whatever the model says (the policy
+    losses scale every token by its advantage, so a row of zero advantages, without a KL term,
+    adds nothing). None with ``keep_all`` (their logprobs or metrics are asked for)."""
+    none = torch.zeros(mask_B_T1.shape[0], dtype=torch.bool, device=mask_B_T1.device)
+    if keep_all or loss == "cross_entropy" or config.kl_coef > 0:
+        return none
+    if token_advantages_B_T1 is not None:
+        return ~((token_advantages_B_T1 != 0) & mask_B_T1).any(dim=1)
+    if advantages_B is not None:
+        return advantages_B == 0
+    return none
 
 
 def _forward_logp(model: nn.Module, tokens_B_T: Tensor, valid_B_T: Tensor, temperature: float) -> Tensor:
