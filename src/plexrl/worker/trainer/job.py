@@ -585,7 +585,7 @@ def _zero_loss_rows(
 ) -> Tensor:
     """[B] bool: the rows whose loss is zero at every token, whatever the model says (the policy
     losses scale every token by its advantage, so a row of zero advantages, without a KL term,
-    adds nothing). None with ``keep_all`` (their logprobs or metrics are asked for)."""
+    adds nothing). No row with ``keep_all`` (their logprobs or metrics are asked for)."""
     none = torch.zeros(mask_B_T1.shape[0], dtype=torch.bool, device=mask_B_T1.device)
     if keep_all or loss == "cross_entropy" or config.kl_coef > 0:
         return none
