@@ -41,7 +41,7 @@ def tests(session: nox.Session) -> None:
     # The in-process unit tests on two cores at once; then, one at a time, the tests that start
     # processes (their workers pin cores, and a neighbour would make their deadlines flaky).
     session.run("python", "-m", "pytest", "-q", "-n", "2", "tests/unit", env=env)
-    session.run("python", "-m", "pytest", "-q", "--ignore=tests/unit", env=env)
+    session.run("python", "-m", "pytest", "-q", "--durations=12", "--ignore=tests/unit", env=env)  # CI: under 30 min
 
 
 @nox.session
