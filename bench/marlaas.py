@@ -31,11 +31,12 @@ time-based figures and their gains: the busy fraction (a call running) and the c
 (core-seconds of the worker and its vLLM engine, from /proc, over wall seconds). Neither says how
 much work a busy second did (on this CPU a decode step of 16 sequences costs a good part of what
 one of 256 costs), so both gains are bounded by ``1 /`` their solo value. Limits beside the
-reduction: the longest task's solo wall (together cannot end sooner: its critical path) and
+reduction: the longest task's solo wall (together cannot end sooner: its critical path),
 ``1 - solo compute fraction`` (solo's core-seconds packed without a gap, without batching gains;
-batching many tenants' generates in one vLLM engine beats it). The table says whether every task
-sampled the same tokens in both modes (a digest of every sampled token) and gives each task's
-final held-out reward in both.
+batching many tenants' generates in one vLLM engine beats it), and together's own core-seconds
+without a gap (what a schedule could reach with the same compute; beyond it, together must
+compute less). The table says whether every task sampled the same tokens in both modes (a digest
+of every sampled token) and gives each task's final held-out reward in both.
 
 (b) Simulated (``--part sim``, a second): the same mix at GPU scale on one H200 (Qwen3-1.7B, 64
 rollouts a step, ``plexrl.sim``'s roofline costs), each task alone on a device vs all 32 on one.
@@ -431,9 +432,11 @@ def report(args: Any, solo: list[Mode], together: list[Mode], budget: int, peak:
     busy_gain = [t.busy_fraction / s.busy_fraction for s, t in pairs]
     packed = [1 - s.compute_fraction for s in solo]
     critical = [1 - max(r.wall_s for r in s.runs) / s.e2e_s for s in solo]
+    gapless = [1 - t.used.cpu_s / s.e2e_s for s, t in pairs]
     print(f"  end-to-end reduction {spread(reduction)}; limits: {spread(critical)} if together took only the longest "
           f"task's solo wall (its critical path), {spread(packed)} if solo's core-seconds were packed without a gap "
-          f"and without batching gains (1 - solo compute fraction)")  # fmt: skip
+          f"and without batching gains (1 - solo compute fraction), {spread(gapless)} if together's own core-seconds "
+          f"ran without a gap (what scheduling alone can reach at together's compute)")  # fmt: skip
     print(f"  utilization gain (model FLOPs per device-second) {spread(gain, 2)}; compute-fraction gain "
           f"{spread(compute_gain, 2)} (at most {1 / max(s.compute_fraction for s in solo):.2f}); busy-time gain "
           f"{spread(busy_gain, 2)}")  # fmt: skip
