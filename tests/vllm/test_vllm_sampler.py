@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -158,10 +159,16 @@ def test_no_kv_reuse_across_versions_or_adapters(engines: tuple[Engine, Engine])
 
 
 def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[Engine, Engine]) -> None:
-    """A full fine-tune job gets a vLLM engine of its own; sync_weights reloads its weights in place."""
+    """A full fine-tune job gets a vLLM engine of its own; sync_weights reloads its weights in place;
+    closing the job frees the engine."""
     spec = JobSpec(model=TINY_MODEL, lora=None, optimizer=AdamW(lr=1e-3), seed=7)
     for engine in engines:
         engine.execute("full", Open(spec=spec))
+    own = engines[0]._jobs["full"].vllm
+    assert own is not None
+    # Closed means gone: an engine still referenced is shut down again by AsyncLLM.__del__ at
+    # interpreter exit, which fails there (the traceback every worker printed as it exited).
+    collected = weakref.ref(own._engine)
     try:
         prompts = _prompts("12+34=46, " * 6 + "5+6=", "3*4=")
         before_v, before_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
@@ -175,6 +182,8 @@ def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[
     finally:
         for engine in engines:
             engine.execute("full", Close())
+    gc.collect()
+    assert collected() is None, "the closed job's vLLM engine is still referenced"
 
 
 def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(engines: tuple[Engine, Engine]) -> None:

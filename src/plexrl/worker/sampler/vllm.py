@@ -144,7 +144,8 @@ class VllmSampler:
             raise
         # Adapters vLLM's CPU-side cache holds (beyond, the least recently used idle one goes), and
         # the adapters one batch can mix (more wait their turn, in arrival order).
-        self._registry = AdapterRegistry(_EngineAdapters(self._engine), max_loaded=2 * self.config.max_loras)
+        self._adapters = _EngineAdapters(self._engine)
+        self._registry = AdapterRegistry(self._adapters, max_loaded=2 * self.config.max_loras)
         self._admission = FairAdmission(max_active=self.config.max_loras)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -214,7 +215,9 @@ class VllmSampler:
 
         async def shutdown() -> None:
             self._engine.shutdown()  # on the engine's own loop, beside its output handler
-            self._engine = None  # collected now, not in AsyncLLM.__del__ at interpreter exit
+            # Every reference dropped, so it is collected now: AsyncLLM.__del__ shuts down again,
+            # which at interpreter exit fails (its module's globals are gone) and prints a traceback.
+            self._engine = self._adapters.engine = None
 
         try:
             self._call(shutdown(), 60)
