@@ -94,7 +94,7 @@ def main() -> None:
         layer = (x, lora_a, lora_b, 1.0, SLICES)
         t_ref = timed(functools.partial(ref.add_lora_linear, y_vllm, *layer), args.calls, args.repeats)
         t_grp = timed(functools.partial(grouped.add_lora_linear, y_grouped, *layer), args.calls, args.repeats)
-        t_groups = timed(functools.partial(cpu_lora.TokenGroups.of, indices), args.calls, args.repeats)
+        t_groups = timed(functools.partial(cpu_lora.TokenGroups.of, indices, SLOTS), args.calls, args.repeats)
         speedup = statistics.mean(t_ref) / statistics.mean(t_grp)
         speedups.append(speedup)
         print(f"  {name:46} | {spread(t_ref):>16} | {spread(t_grp):>16} | {speedup:>6.2f}x | {spread(t_groups):>14} "

@@ -56,9 +56,12 @@ def test_grouped_layers_add_what_vllm_adds(case: str, tokens: int, prefill: bool
 
 
 def test_groups_pad_only_the_adapters_in_the_step_and_take_out_a_crowded_one() -> None:
-    scattered = cpu_lora.TokenGroups.of(torch.tensor([0, 31, 0, 31, 31, 0]))
+    scattered = cpu_lora.TokenGroups.of(torch.tensor([0, 31, 0, 31, 31, 0]), SLOTS)
     assert scattered.width == 3 and len(scattered.source) == 6 and not scattered.big  # not 32 slots of padding
-    crowded = cpu_lora.TokenGroups.of(torch.tensor([4] * 200 + [1, 2, 3, 5, 6]))
+    assert scattered.small is not None and scattered.small.tolist() == [0, 31]
+    busy = cpu_lora.TokenGroups.of(torch.arange(SLOTS // 2).repeat(3), SLOTS)  # half the slots: all in place
+    assert busy.small is None and busy.width == 3 and len(busy.source) == SLOTS * 3
+    crowded = cpu_lora.TokenGroups.of(torch.tensor([4] * 200 + [1, 2, 3, 5, 6]), SLOTS)
     assert [slot for slot, _ in crowded.big] == [4] and crowded.width == 1
     assert len(crowded.big[0][1]) == 200
 

@@ -47,24 +47,26 @@ class TokenGroups:
     """A step's tokens grouped by adapter slot, made once per step for every layer.
 
     The adapters with fewer tokens share one batched matmul, each padded to ``width`` rows
-    (``small[i]``'s j-th token at row ``i * width + j``; ``source`` names the token feeding each
-    padded row, ``n`` (a zero row) for padding). The ones with more get matmuls of their own
-    (``big``). Where the line falls is chosen per step to cost the least: padding every small
-    adapter to the widest of them against ``GROUP_COST_ROWS`` per adapter taken out. Only real
-    rows are added back (``rows`` into ``tokens``), so nothing computed on padding reaches a token,
-    even from an adapter with non-finite weights. Tokens of slot -1 (no adapter) are in neither.
+    (group i's j-th token at row ``i * width + j``; ``source`` names the token feeding each padded
+    row). The ones with more get matmuls of their own (``big``). Where the line falls is chosen
+    per step to cost the least: padding every small adapter to the widest of them against
+    ``GROUP_COST_ROWS`` per adapter taken out. The groups are the ``small`` slots' weights gathered
+    (a copy per layer), or, when at least half the slots are small (``small`` None), every slot
+    in place: group i is slot i, and the absent slots' rows are padding (cheaper than the copy).
+    Padding rows compute on token 0 and are never added back: only real rows are (``rows`` into
+    ``tokens``), so nothing computed on padding reaches a token, even from an adapter with
+    non-finite weights. Tokens of slot -1 (no adapter) are in neither.
     """
 
-    small: Tensor  # [S] slots of the padded groups
+    small: Tensor | None  # [S] slots of the padded groups; None: every slot, in slot order
     width: int  # rows per padded group
-    source: Tensor  # [S * width] token index, n for padding
+    source: Tensor  # [groups * width] token index (0 for padding)
     rows: Tensor  # the padded row of each small group's token ...
     tokens: Tensor  # ... and that token
     big: tuple[tuple[int, Tensor], ...]  # (slot, its tokens)
 
     @staticmethod
-    def of(indices: Tensor) -> TokenGroups:
-        n = len(indices)
+    def of(indices: Tensor, num_slots: int) -> TokenGroups:
         valid = torch.nonzero(indices >= 0).flatten()
         order = valid[torch.argsort(indices[valid], stable=True)]
         slot_of = indices[order]
@@ -89,13 +91,15 @@ class TokenGroups:
         if not len(small_counts):
             empty = torch.zeros(0, dtype=torch.long)
             return TokenGroups(empty, 0, empty, empty, empty, big)
+        in_place = 2 * len(small_counts) >= num_slots
         small = ~torch.repeat_interleave(is_big, counts)
-        group = torch.repeat_interleave(torch.cumsum(~is_big, 0) - 1, counts)  # each token's padded group
+        group_of_slot = slots if in_place else torch.cumsum(~is_big, 0) - 1
+        group = torch.repeat_interleave(group_of_slot, counts)  # each token's padded group
         within = torch.arange(len(order)) - torch.repeat_interleave(starts, counts)
         rows = (group * width + within)[small]
-        source = torch.full((len(small_counts) * width,), n, dtype=torch.long)
+        source = torch.zeros(((num_slots if in_place else len(small_counts)) * width,), dtype=torch.long)
         source[rows] = order[small]
-        return TokenGroups(slots[~is_big], width, source, rows, order[small], big)
+        return TokenGroups(None if in_place else slots[~is_big], width, source, rows, order[small], big)
 
 
 class LayerWeights:
@@ -133,9 +137,11 @@ def grouped_lora_linear(y: Tensor, x: Tensor, weights: LayerWeights, groups: Tok
     cols = weights.expand.shape[-1]
     out = y[:, :cols]
     if groups.width:
-        rows = torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, groups.source)
-        shrunk = torch.bmm(rows.view(len(groups.small), groups.width, -1), weights.shrink.index_select(0, groups.small))
-        added = torch.bmm(shrunk, weights.expand.index_select(0, groups.small)).view(-1, cols)
+        shrink, expand = weights.shrink, weights.expand
+        if groups.small is not None:
+            shrink, expand = shrink.index_select(0, groups.small), expand.index_select(0, groups.small)
+        rows = x.index_select(0, groups.source).view(len(shrink), groups.width, -1)
+        added = torch.bmm(torch.bmm(rows, shrink), expand).view(-1, cols)
         out.index_add_(0, groups.tokens, added.index_select(0, groups.rows).to(y.dtype))
     for slot, tokens in groups.big:
         added = x.index_select(0, tokens) @ weights.shrink[slot] @ weights.expand[slot]
@@ -189,7 +195,7 @@ def _wrapper_class() -> type:
                     y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
                 )  # a layout these groups do not cover: vLLM's own ops
             if self._groups is None:
-                self._groups = TokenGroups.of(indices)
+                self._groups = TokenGroups.of(indices, len(lora_a_stacked[0]))
             weights = self._layers.get(id(lora_a_stacked[0]))
             if weights is None:
                 weights = self._layers[id(lora_a_stacked[0])] = LayerWeights(lora_a_stacked, lora_b_stacked, scale)
