@@ -176,6 +176,71 @@ def test_a_waiting_job_forces_a_move_once_it_starves() -> None:
     assert s.handle(SwapDone("b", 10.0), 225.0) == [Dispatch(2, "w0")]
 
 
+def test_generates_vllm_serves_need_no_move_and_leave_the_device_to_training() -> None:
+    """On a worker whose sampler keeps its own copy of every job's weights (vLLM), a generate starts
+    whether or not its job's state is in, and a job with only generates running is moved out for
+    another job's training; on an hf worker the same generate waits for its state."""
+    for stateless in (True, False):
+        s = Scheduler("fifo")
+        s.handle(WorkerJoined("w0", slots=4, memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS,
+                              stateless_generates=stateless), 0.0)  # fmt: skip
+        s.handle(JobOpened("a", 10 * G), 0.0)  # fills the device
+        s.handle(JobOpened("b", 10 * G), 0.0)  # starts in host memory
+        assert s.handle(CallSubmitted(1, "a", "generate"), 1.0) == [Dispatch(1, "w0")]
+        started = s.handle(CallSubmitted(2, "b", "generate"), 2.0)
+        assert started == ([Dispatch(2, "w0")] if stateless else [])
+    # b's training needs its state; a only samples, so it moves out meanwhile.
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", slots=4, memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS, stateless_generates=True), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b", 10 * G), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "generate"), 1.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "b", "forward_backward"), 2.0) == [Swap("a", "w0", "host", 10 * G)]
+    assert s.handle(SwapDone("a", 10.0), 12.0) == [Swap("b", "w0", "device", 10 * G)]
+    assert s.handle(SwapDone("b", 10.0), 22.0) == [Dispatch(2, "w0")]
+    assert s.handle(CallFinished(1), 23.0) == []  # a's generate ran through both moves
+    # a's training waits for its state again.
+    assert s.handle(CallSubmitted(3, "a", "forward_backward"), 24.0) == []
+
+
+def test_plex_starts_the_close_of_a_job_in_host_memory_ahead_of_training() -> None:
+    """A close needs no move (it frees the state wherever it is), so it does not rank with the calls
+    that wait for one: behind a queue of resident jobs' training it would wait for all of it."""
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0", slots=4, memory_bytes=25 * G, swap_bytes_per_s=SWAP_BPS, trainer_slots=1), 0.0)
+    for job in ("a", "c", "b"):  # a and c fill the device, b starts in host memory
+        s.handle(JobOpened(job, 10 * G), 0.0)
+    assert s.handle(CallSubmitted(1, "a", "forward_backward"), 1.0) == [Dispatch(1, "w0")]
+    assert s.handle(CallSubmitted(2, "c", "forward_backward"), 2.0) == []  # the trainer is busy
+    assert s.handle(CallSubmitted(3, "b", "close"), 3.0) == []
+    assert s.handle(CallFinished(1), 4.0) == [Dispatch(3, "w0")]
+    assert s.handle(CallFinished(3), 5.0) == [Dispatch(2, "w0")]
+
+
+def test_plex_counts_a_rollout_on_vllm_as_idle_time_of_the_trainers_state() -> None:
+    """The break-even rule's gap, on a worker whose generates use no job state, is the time between
+    the job's trainer calls: a job that trains, then samples for 100 s, is worth moving out while it
+    samples (counting its generates as use, its gaps would be the 1 s between them)."""
+    s = Scheduler("plex")
+    s.handle(WorkerJoined("w0", slots=4, memory_bytes=15 * G, swap_bytes_per_s=SWAP_BPS, stateless_generates=True), 0.0)
+    s.handle(JobOpened("a", 10 * G), 0.0)
+    s.handle(JobOpened("b", 10 * G), 0.0)
+    t, call = 0.0, 0
+    for _ in range(2):  # train, then a rollout of back-to-back generates
+        t, call = t + 1.0, call + 1
+        assert s.handle(CallSubmitted(call, "a", "forward_backward"), t) == [Dispatch(call, "w0")]
+        s.handle(CallFinished(call), t + 1.0)
+        for _ in range(50):
+            t, call = t + 2.0, call + 1
+            assert s.handle(CallSubmitted(call, "a", "generate"), t) == [Dispatch(call, "w0")]
+            s.handle(CallFinished(call), t + 1.0)
+    residency = s.residency("a")
+    assert residency is not None and residency.expected_gap_s is not None and residency.expected_gap_s > 90
+    t, call = t + 2.0, call + 1
+    assert s.handle(CallSubmitted(call, "a", "generate"), t) == [Dispatch(call, "w0")]  # a samples on
+    assert s.handle(CallSubmitted(call + 1, "b", "forward_backward"), t + 1.0) == [Swap("a", "w0", "host", 10 * G)]
+
+
 def test_losing_a_worker_fails_its_running_and_queued_calls_and_later_ones() -> None:
     s = Scheduler()
     for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a"), JobOpened("b")]:
@@ -493,6 +558,7 @@ _submit, _finish, _moved = (
 )
 op = st.one_of(  # submits, finishes and transfers weighted up, so devices fill and state moves
     st.tuples(st.just("join"), st.integers(1, 3)),
+    st.tuples(st.just("vjoin"), st.integers(1, 3)),  # a worker whose sampler keeps its own weights (vLLM)
     st.tuples(st.just("rollout"), st.integers(0, 5)),  # a rollout worker joins: bucket 0-2, 1-2 slots
     st.tuples(st.just("role"), st.integers(0, 29)),  # a worker changes role (Libra's elastic roles)
     st.tuples(
@@ -571,6 +637,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
     switching: dict[str, str] = {}  # worker -> the role a MoveWorker takes it to
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
     roles: dict[str, tuple[str, int]] = {}  # alive worker -> (role, bucket)
+    stateless: set[str] = set()  # workers whose generates need no job's state (vLLM)
     pooled: set[str] = set()
     turn_of: dict[int, str] = {}  # a pooled job's generate -> its trajectory
     last_turn: dict[tuple[str, str], int] = {}  # (job, trajectory) -> its latest turn (call id)
@@ -679,7 +746,9 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                 if kind in ("restore", "open"):  # it makes the state on the device, in room the scheduler kept
                     resident[job] = True
                     device[a.worker_id] = device.get(a.worker_id, 0) + sizes[job]
-                assert resident[job] or not on_home, "a call on the home worker runs only with the state there"
+                assert resident[job] or not on_home or (kind == "generate" and a.worker_id in stateless), (
+                    "a call on the home worker runs only with the state there (but a generate vLLM serves)"
+                )
                 earlier = [c for c in submitted[job] if seq[c] < seq[a.call_id]]
                 settled = [c in outcome and c not in running for c in earlier]
                 if kind in BARRIER_KINDS:
@@ -702,9 +771,12 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                     )
                 assert homes[a.job_id] == a.worker_id
                 # A pooled turn uses the sampler's copy of the adapter, never the trainer's state: moving
-                # that in beside one is safe (moving it out is not done, to keep the two apart).
+                # that in beside one is safe (moving it out is not done, to keep the two apart). A
+                # generate on a worker whose sampler keeps its own weights uses none of it either way.
                 assert all(
-                    j != a.job_id or w != a.worker_id or (a.to == "device" and j in pooled and kinds[c] == "generate")
+                    j != a.job_id
+                    or w != a.worker_id
+                    or (kinds[c] == "generate" and (w in stateless or (a.to == "device" and j in pooled)))
                     for c, (j, w) in running.items()
                 ), "never move the state of a job with a call running on that worker"
                 moving[a.worker_id] = (a.job_id, a.to)
@@ -734,12 +806,21 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
 
     for kind, arg in ops:
         t += 1.0
-        if kind == "join":
+        if kind in ("join", "vjoin"):
             w = f"w{n_workers}"
             n_workers += 1
             workers[w] = (arg, (1 + arg % 2) * UNIT)  # room for one or two big jobs
             roles[w] = ("both", 0)
-            check(s.handle(WorkerJoined(w, slots=arg, memory_bytes=(1 + arg % 2) * UNIT, swap_bytes_per_s=BPS), t))
+            if kind == "vjoin":
+                stateless.add(w)
+            joined = WorkerJoined(
+                w,
+                slots=arg,
+                memory_bytes=(1 + arg % 2) * UNIT,
+                swap_bytes_per_s=BPS,
+                stateless_generates=w in stateless,
+            )
+            check(s.handle(joined, t))
         elif kind == "rollout":
             w = f"w{n_workers}"
             n_workers += 1

@@ -187,13 +187,15 @@ def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[
 
 
 def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(engines: tuple[Engine, Engine]) -> None:
-    """Residency on a vLLM worker: the trainer state moves (vLLM keeps the adapter it serves), and
-    moving it out and in between steps changes nothing the job sees."""
+    """Residency on a vLLM worker: the trainer state moves (vLLM keeps the adapter it serves, so a
+    generate runs with the state in host memory and leaves it there), and moving it out and in
+    between steps changes nothing the job sees."""
     vllm, _ = engines
     prompts = _prompts("5+6=", "9*9=")
     vllm.move("add", "host")
-    before = vllm.execute("add", Generate(prompts=prompts, params=GREEDY))  # moves the state back in first
-    assert isinstance(before, Generated) and vllm._jobs["add"].host_state is None
+    before = vllm.execute("add", Generate(prompts=prompts, params=GREEDY))
+    assert isinstance(before, Generated) and vllm._jobs["add"].host_state is not None
+    vllm.move("add", "device")
     _train(engines, {"add": "5+6=11"})  # both engines step; the vLLM one just came back from the host
     vllm.move("add", "host")
     vllm.move("add", "device")

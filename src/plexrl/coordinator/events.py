@@ -27,6 +27,9 @@ class WorkerJoined:
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves (coordinator/buckets.py)
     node: str = ""  # its host (NVLink domain): a multi-device job's group lies within one ("": a node of its own)
     index: int = 0  # its device index on ``node``: groups are aligned blocks of indices (coordinator/groups.py)
+    # Its generates need no job's state on the device: its sampler keeps its own copy of every
+    # job's weights (vLLM's adapters), so only trainer-lane calls wait for a move in.
+    stateless_generates: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 The scheduler keeps the invariants (order, affinity, slots, budgets); a policy only chooses
 among what they allow. ``dedicated``: one job per worker, the baseline users have today.
 ``fifo``: jobs share workers, oldest call first, state moved in and out on demand (least
-recently used out). ``plex``: jobs packed by expected load and base model; resident calls first,
+recently used out). ``plex``: jobs packed by expected load and base model; calls that need no move first,
 then calls that unblock a whole stage (``CRITICAL``), then the job furthest below its weighted
 fair share of accelerator-seconds; state moved out only when that pays
 (``residency.pays_to_evict``) or a waiting job starves.
@@ -41,8 +41,8 @@ class Policy:
         """A disaggregated job's sampler worker among the workers other than its home."""
         return min(others, key=lambda w: (len(w.samplers), len(w.jobs)), default=None)
 
-    def rank(self, s: Scheduler, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
-        """The order in which a worker's ready lanes start (lowest first)."""
+    def rank(self, s: Scheduler, worker: _Worker, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+        """The order in which ``worker``'s ready lanes start (lowest first)."""
         return (call.call_id,)  # the oldest call first
 
     def victim(
@@ -110,11 +110,11 @@ class Plex(Policy):
             return NEW_JOB_LOAD
         return s.ledger.accelerator_s(job_id, now) / usage.wall_s(now)
 
-    def rank(self, s: Scheduler, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
-        """Resident first; then calls that unblock a stage; then the job furthest below its weighted
-        fair share of accelerator-seconds; then the oldest call."""
+    def rank(self, s: Scheduler, worker: _Worker, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+        """Calls that can start without a move first; then calls that unblock a stage; then the job
+        furthest below its weighted fair share of accelerator-seconds; then the oldest call."""
         served = s.ledger.accelerator_s(job.job_id, now) / job.weight
-        return (job.state.tier != rs.DEVICE, call.kind not in CRITICAL, served, call.call_id)
+        return (s.waits_for_move(job, call, worker), call.kind not in CRITICAL, served, call.call_id)
 
     def victim(
         self, s: Scheduler, worker: _Worker, idle: list[_ScheduledJob], waiting: _ScheduledJob | None, now: float

@@ -93,6 +93,7 @@ class _Worker:
     node: str = ""  # its host: a group's members share one (groups.py)
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
+    stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -135,8 +136,10 @@ class _ScheduledJob:
             if (self.home if lane == TRAINER else self.sampler) == worker_id and not (lane == SAMPLER and pooled_away)
         ]
 
-    def idle_on(self, worker_id: str, pooled_away: bool = False) -> bool:
-        return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id, pooled_away))
+    def idle_on(self, worker_id: str, sampler_apart: bool = False) -> bool:
+        """Nothing of it queued or running on ``worker_id`` (``sampler_apart``: nothing but generates,
+        which need none of its state there)."""
+        return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id, sampler_apart))
 
 
 @dataclass(slots=True)
@@ -286,9 +289,11 @@ class Scheduler:
                 for other in self._other_workers(done) if done is not None else []:
                     if other not in touched and other in self._workers:
                         actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined(worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index):
+            case WorkerJoined(
+                worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index, stateless
+            ):
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
-                worker.node, worker.index = node, index
+                worker.node, worker.index, worker.stateless_generates = node, index, stateless
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
                 self._roles_changed(worker)
@@ -465,6 +470,31 @@ class Scheduler:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
         return job.pooled and bool(self._rollout_ids)
 
+    def needs_state(self, job: _ScheduledJob, lane: str, worker: _Worker) -> bool:
+        """Whether ``job``'s ``lane`` running on ``worker`` needs the job's state on that device.
+        Every lane on its home does, except generates there when the worker's sampler serves them
+        from a copy of the weights of its own (vLLM's adapters: only training waits for a move in)
+        or when they are a pooled job's turns and rollout workers take those."""
+        if worker.worker_id != job.home:
+            return False
+        return lane == TRAINER or not (worker.stateless_generates or self._pooled_away(job))
+
+    def waits_for_move(self, job: _ScheduledJob, call: _Call, worker: _Worker) -> bool:
+        """``call`` cannot start on ``worker`` until the job's state is on that device (a close frees
+        the state wherever it is)."""
+        tier = job.state.tier
+        if tier == rs.DEVICE or not self.needs_state(job, call.lane, worker):
+            return False
+        return not (tier == rs.HOST and call.kind == "close")
+
+    def _state_lanes(self, job: _ScheduledJob) -> tuple[str, ...]:
+        """The lanes whose calls count in the job's idle gaps (residency's break-even rule): both,
+        but the generates of a one-device job whose home's sampler needs none of its state."""
+        home = self._workers.get(job.home)
+        if home is not None and home.stateless_generates and not job.members and job.sampler == job.home:
+            return (TRAINER,)
+        return (TRAINER, SAMPLER)
+
     def _move_worker(self, worker: _Worker, role: str, now: float) -> list[Action]:
         """Start moving ``worker`` to ``role``: from now on it takes no turns (and, bound for
         rollout, no new homes); turns that waited for it go to the other rollout workers."""
@@ -520,7 +550,9 @@ class Scheduler:
         if job.lost is not None:
             return [Fail(call.job_id, call.call_id, job.lost)]
         self._calls[call.call_id] = call
-        if not job.unfinished and job.state.last_done_s is not None:
+        lanes = self._state_lanes(job)
+        idle = not any(job.queues[lane] or job.running[lane] for lane in lanes)
+        if call.lane in lanes and idle and job.state.last_done_s is not None:
             job.state.observe_gap(now - job.state.last_done_s)  # it was idle since its last call
         self._enqueue(job, call)
         job.unfinished.add(call.call_id)
@@ -586,7 +618,8 @@ class Scheduler:
         job.running[call.lane].discard(call_id)
         job.unfinished.discard(call_id)
         job.barriers.discard(call_id)
-        job.state.last_done_s = now
+        if call.lane in self._state_lanes(job):
+            job.state.last_done_s = now
 
     def _cancel(self, call_id: int) -> None:
         call = self._calls.get(call_id)
@@ -741,7 +774,7 @@ class Scheduler:
                 if turns:
                     entries.append((job, turns))
         if len(entries) > 1:
-            entries.sort(key=lambda e: self.policy.rank(self, e[0], e[1][0], now))
+            entries.sort(key=lambda e: self.policy.rank(self, worker, e[0], e[1][0], now))
         for job, startable in entries:
             if job.members:
                 actions += self._dispatch_group(job, startable, now)
@@ -753,14 +786,14 @@ class Scheduler:
             first = startable[0]
             if job.rebuilding and first.kind != "restore":
                 continue  # its state exists nowhere until the restore (submitted next) makes it
-            needs_state = job.home == worker.worker_id and not (first.lane == SAMPLER and job.pooled and away)
+            needs_state = self.needs_state(job, first.lane, worker)
             room = worker.used_bytes + job.state.state_bytes <= worker.memory_bytes
             if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
                 # Its state does not exist yet: the open makes it on the device, so it needs room
                 # there, not a transfer (a move in would reach a worker that has nothing to move).
                 job.state.tier = rs.DEVICE
                 worker.used_bytes += job.state.state_bytes
-            if not needs_state or job.state.tier == rs.DEVICE or (first.kind == "close" and job.state.tier == rs.HOST):
+            if not self.waits_for_move(job, first, worker):
                 for call in startable:
                     if len(worker.running) >= worker.slots:
                         break
@@ -829,8 +862,9 @@ class Scheduler:
             job
             for job in (self._jobs[j] for j in sorted(worker.jobs))
             if job.state.tier == rs.DEVICE
-            and job.idle_on(worker.worker_id, self._pooled_away(job))
-            and not job.running[SAMPLER] & worker.running  # a pooled turn on its home (a worker moved to rollout)
+            and job.idle_on(worker.worker_id, sampler_apart=not self.needs_state(job, SAMPLER, worker))
+            # A pooled turn on its home (a worker moved to rollout) keeps it, unless generates there use no state.
+            and (worker.stateless_generates or not job.running[SAMPLER] & worker.running)
             and not job.closing
         ]
         return self.policy.victim(self, worker, idle, waiting, now) if idle else None

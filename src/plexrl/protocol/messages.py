@@ -226,6 +226,7 @@ class Register(Envelope, tag="register", frozen=True):
     trainer_slots: int = 0  # of those, calls other than generate (its trainer runs one at a time); 0 = slots
     role: str = "both"  # "rollout": pooled jobs' turns only; "train": jobs' homes only (coordinator/events.ROLES)
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves
+    stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM)
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

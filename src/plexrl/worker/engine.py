@@ -111,7 +111,9 @@ class Engine:
                 raise
             return self._jobs[job_id].opened()
         job = self._job(job_id)
-        if not isinstance(call, Close):  # closing frees the state wherever it is
+        # Closing frees the state wherever it is; vLLM samples with its own copy of the weights, so
+        # a generate there runs whether or not the trainer's state is in (the scheduler's rule too).
+        if not isinstance(call, Close) and not (isinstance(call, Generate) and job.vllm is not None):
             self._resident(job, job_id, call)
         match call:
             case Generate(prompts=prompts, params=params):

@@ -223,6 +223,7 @@ class Worker:
             trainer_slots=1,  # every call but a vLLM generate runs on the main thread, one at a time
             role=self.config.role,
             bucket=self.config.bucket,
+            stateless_generates=self.config.sampler == "vllm",  # vLLM holds its own adapters (engine.py)
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
