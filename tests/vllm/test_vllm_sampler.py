@@ -195,6 +195,9 @@ def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(eng
     vllm.move("add", "host")
     before = vllm.execute("add", Generate(prompts=prompts, params=GREEDY))
     assert isinstance(before, Generated) and vllm._jobs["add"].host_state is not None
+    started = vllm.start("add", Generate(prompts=prompts, params=GREEDY))  # the worker's path for vLLM generates
+    assert started is not None and isinstance(started.result(timeout=120), Generated)
+    assert vllm._jobs["add"].host_state is not None
     vllm.move("add", "device")
     _train(engines, {"add": "5+6=11"})  # both engines step; the vLLM one just came back from the host
     vllm.move("add", "host")

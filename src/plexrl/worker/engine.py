@@ -75,7 +75,8 @@ class Engine:
     def start(self, job_id: str, call: Call, priority: int = 0) -> Future[Result] | None:
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
-            self._resident(job, job_id, call)
+            # vLLM samples with its own copy of the weights: the trainer's state may stay in the host
+            # store (and may be moving on the mover's thread meanwhile): nothing here touches it.
             return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
         return None
 
