@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -115,6 +116,16 @@ def test_concurrent_jobs_each_get_their_own_adapters_outputs(engines: tuple[Engi
     # The three adapters differ, so the same prompts give different logprobs per job.
     first = [out_v[job].logprobs.values[:4] for job in JOBS]
     assert not np.allclose(first[0], first[1]) and not np.allclose(first[1], first[2])
+
+
+def test_on_cpu_the_engine_thread_gives_the_core_to_training_first(engines: tuple[Engine, Engine]) -> None:
+    _both(engines, {"add": Generate(prompts=_prompts("1+2="), params=GREEDY)})
+    threads = [t for t in threading.enumerate() if t.name == "plexrl-vllm"]
+    assert threads and all(t.native_id is not None for t in threads)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's: the one the engine runs training calls on
+    nice = vllm_sampler.VllmConfig().cpu_nice
+    assert nice > 0
+    assert [os.getpriority(os.PRIO_PROCESS, t.native_id or 0) for t in threads] == [min(19, mine + nice)] * len(threads)
 
 
 def test_sampled_logprobs_agree_at_temperature(engines: tuple[Engine, Engine]) -> None:
