@@ -444,6 +444,18 @@ def test_grpo_kl_to_the_base_is_zero_before_training(engine: Engine, tiny_model:
     assert run(engine, "j", call, ForwardBackwardResult).metrics["kl"] > 1e-6
 
 
+def test_a_rows_logprobs_do_not_depend_on_the_rows_padded_beside_it(engine: Engine, tiny_model: Path) -> None:
+    """Rows of different lengths in one call (padded on the right to the longest) score each token
+    as the row alone does: padding never reaches a real token."""
+    engine.execute("a", Open(lora_spec(tiny_model)))
+    batch = [[1, 5, 6], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15], [2, 9, 8, 7, 6]]
+    together = run(engine, "a", Logprobs(Ragged.from_rows(batch, "int32")), LogprobsResult).logprobs
+    for row, lp in zip(batch, together, strict=True):
+        alone = run(engine, "a", Logprobs(Ragged.from_rows([row], "int32")), LogprobsResult).logprobs[0]
+        assert len(lp) == len(row) - 1
+        np.testing.assert_allclose(lp, alone, rtol=0, atol=1e-5)
+
+
 def test_masked_observation_tokens_add_nothing_to_the_loss(engine: Engine, tiny_model: Path) -> None:
     """A multi-turn row: prompt, sampled, observation (mask 0), sampled. Whatever the observation's
     logprobs say, the loss and its token count are those of the sampled tokens alone."""

@@ -195,7 +195,7 @@ class WorkerJob:
         tokens_B_T, valid_B_T = self._pad_right(tokens)
         self.progress.tick()
         with torch.no_grad():
-            logp_B_T1 = _forward_logp(self.weights.trainer_model(train=False), tokens_B_T, valid_B_T, 1.0)
+            logp_B_T1 = _forward_logp(self.weights.trainer_model(train=False), tokens_B_T, 1.0)
         self.progress.tick()
         values = logp_B_T1[valid_B_T[:, 1:]].cpu().numpy().astype(np.float32)
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
@@ -253,7 +253,7 @@ class WorkerJob:
         ref_logps: list[Tensor | None] = [None] * len(groups)
         if loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0:
             with self.base.reference() as reference, torch.no_grad():
-                ref_logps = [_forward_logp(reference, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
+                ref_logps = [_forward_logp(reference, tokens_B_T[r, :n], config.temperature)
                              for r, n in groups]  # fmt: skip
         model = self.weights.trainer_model(train=True)
         outs = []
@@ -261,7 +261,7 @@ class WorkerJob:
         with torch.enable_grad() if not forward_only else torch.no_grad():
             for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
                 self.progress.tick()
-                logp = _forward_logp(model, tokens_B_T[r, :n], valid_B_T[r, :n], config.temperature)
+                logp = _forward_logp(model, tokens_B_T[r, :n], config.temperature)
                 if logp_B_T1 is not None:
                     logp_B_T1[r, : n - 1] = logp.detach().float()
                 sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
@@ -596,9 +596,12 @@ def _zero_loss_rows(
     return none
 
 
-def _forward_logp(model: nn.Module, tokens_B_T: Tensor, valid_B_T: Tensor, temperature: float) -> Tensor:
-    """Logprobs of ``tokens_B_T[:, 1:]`` given their prefixes (right padding needs no position ids)."""
-    logits_B_T_V = model(input_ids=tokens_B_T, attention_mask=valid_B_T.long()).logits
+def _forward_logp(model: nn.Module, tokens_B_T: Tensor, temperature: float) -> Tensor:
+    """Logprobs of ``tokens_B_T[:, 1:]`` given their prefixes. The rows are padded on the right, so
+    under the causal mask no real token sees padding: no attention mask and no position ids are
+    needed, and attention takes the causal kernel, which skips the masked half (a masked forward-
+    backward of 16 search rows of 180-330 tokens: 0.51 s against 0.47 s, the same logprobs)."""
+    logits_B_T_V = model(input_ids=tokens_B_T, use_cache=False).logits
     return token_logprobs(logits_B_T_V[:, :-1], tokens_B_T[:, 1:], temperature)
 
 
