@@ -61,9 +61,47 @@ def test_groups_pad_only_the_adapters_in_the_step_and_take_out_a_crowded_one() -
     assert scattered.small is not None and scattered.small.tolist() == [0, 31]
     busy = cpu_lora.TokenGroups.of(torch.arange(SLOTS // 2).repeat(3), SLOTS)  # half the slots: all in place
     assert busy.small is None and busy.width == 3 and len(busy.source) == SLOTS * 3
-    crowded = cpu_lora.TokenGroups.of(torch.tensor([4] * 200 + [1, 2, 3, 5, 6]), SLOTS)
-    assert [slot for slot, _ in crowded.big] == [4] and crowded.width == 1
+    # 200 tokens of slot 4, ten at a time (no run), between them 4 tokens each of 5 other slots
+    others = [[1, 2, 3, 5, 6][i % 5] for i in range(20)]
+    crowded = cpu_lora.TokenGroups.of(torch.tensor([t for o in others for t in [4] * 10 + [o]]), SLOTS)
+    assert [slot for slot, _ in crowded.big] == [4] and crowded.width == 4 and not crowded.runs
     assert len(crowded.big[0][1]) == 200
+
+
+def test_a_run_of_one_adapters_tokens_is_taken_whole_and_the_rest_grouped() -> None:
+    run = cpu_lora.RUN_MIN + 4
+    indices = torch.tensor([3, 7] + [5] * run + [3, 5] + [-1] * cpu_lora.RUN_MIN + [2] * (cpu_lora.RUN_MIN - 1))
+    groups = cpu_lora.TokenGroups.of(indices, SLOTS)
+    assert groups.runs == ((5, 2, 2 + run),)  # no run of no adapter, none shorter than RUN_MIN
+    grouped = groups.tokens.tolist() + [t for _, tokens in groups.big for t in tokens.tolist()]
+    after_run = 2 + run
+    expected = [0, 1, after_run, after_run + 1, *range(after_run + 2 + cpu_lora.RUN_MIN, len(indices))]
+    assert sorted(grouped) == expected  # every other token with an adapter, once
+
+
+def test_adapters_of_lower_rank_than_the_slots_add_what_vllm_adds_in_a_step_of_runs_and_scattered_tokens() -> None:
+    """vLLM pads each adapter to the slots' rank with zeros; runs and single adapters' matmuls
+    use only the rank an adapter has."""
+    g = torch.Generator().manual_seed(11)
+    lora_a = tuple(torch.randn(SLOTS, 1, RANK, IN, generator=g) for _ in SLICES)
+    lora_b = tuple(torch.randn(SLOTS, 1, out, RANK, generator=g) for out in SLICES)
+    for slot in range(SLOTS):
+        rank = (2, 4, RANK)[slot % 3]
+        for a, b in zip(lora_a, lora_b, strict=True):
+            a[slot, 0, rank:] = 0
+            b[slot, 0, :, rank:] = 0
+    scattered = lambda n: torch.randint(0, SLOTS, (n,), generator=g)  # noqa: E731
+    indices = torch.cat([scattered(24), torch.full((40,), 4), scattered(8), torch.full((30,), 9), torch.full((90,), 5)])
+    groups = cpu_lora.TokenGroups.of(indices, SLOTS)
+    assert [slot for slot, *_ in groups.runs] == [4, 9, 5]
+    x = torch.randn(len(indices), IN, generator=g)
+    y = torch.randn(len(indices), sum(SLICES), generator=g)
+    expected, got = y.clone(), y.clone()
+    wrapper(PunicaWrapperCPU, indices, prefill=False).add_lora_linear(expected, x, lora_a, lora_b, 0.5, SLICES)
+    wrapper(cpu_lora.GroupedPunicaWrapperCPU, indices, prefill=False).add_lora_linear(
+        got, x, lora_a, lora_b, 0.5, SLICES
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_tokens_without_an_adapter_get_nothing() -> None:

@@ -4,9 +4,12 @@ vLLM's CPU LoRA ops (``vllm.lora.ops.torch_ops``) gather every token's adapter m
 (``lora_b[indices]``: a ``[tokens, out, rank]`` copy per layer and projection) and multiply one
 token at a time (``bench/lora_layers.py`` times both on the shipped model's shapes).
 ``GroupedPunicaWrapperCPU`` groups a step's tokens by adapter once and multiplies each adapter's
-tokens together: one batched matmul over the adapters with few tokens (each padded to a common
-width) and one matmul per adapter with many. A layer's slices (q/k/v, gate/up) go through one
-shrink and one expand matmul, on weights combined per slot when vLLM puts an adapter in the slot.
+tokens together: a run of consecutive tokens of one adapter (a prompt's prefill) in place on its
+slices of the input and output, then one batched matmul over the adapters with few tokens left
+(each padded to a common width) and one matmul per adapter with many. A layer's slices (q/k/v,
+gate/up) go through one shrink and one expand matmul, on weights combined per slot when vLLM puts
+an adapter in the slot; an adapter's own matmuls use only the rank it has (vLLM pads every
+adapter to ``max_lora_rank`` with zeros).
 Same arithmetic (``y += scale * (x @ A.T) @ B.T`` per token), float32 like vLLM's buffers.
 A token without an adapter (index -1) gets nothing added, as on vLLM's GPU kernels (the CPU
 ops index slot -1, the last adapter's).
@@ -40,13 +43,18 @@ def register() -> None:
 # What an adapter's own matmuls cost beyond its rows (four more ops, ~30 us), in padded rows of the
 # batched matmul (~0.45 us each on the shipped model's q/k/v): measured with bench/lora_layers.py.
 GROUP_COST_ROWS = 64
+# A run of this many consecutive tokens of one adapter is multiplied in place (two matmuls on
+# slices: no gather, no scatter, no padding). Replaying the steps of a bench/marlaas.py run
+# (T=203 tokens a step on average, 70% of them in such runs), 8 and 16 cost the same and 32 more.
+RUN_MIN = 16
 
 
 @dataclass(frozen=True)
 class TokenGroups:
     """A step's tokens grouped by adapter slot, made once per step for every layer.
 
-    The adapters with fewer tokens share one batched matmul, each padded to ``width`` rows
+    First the ``runs``: RUN_MIN or more consecutive tokens of one slot (a prefill's), taken as
+    slices. Of the other tokens, the adapters with fewer share one batched matmul, each padded to ``width`` rows
     (group i's j-th token at row ``i * width + j``; ``source`` names the token feeding each padded
     row). The ones with more get matmuls of their own (``big``). Where the line falls is chosen
     per step to cost the least: padding every small adapter to the widest of them against
@@ -55,7 +63,7 @@ class TokenGroups:
     in place: group i is slot i, and the absent slots' rows are padding (cheaper than the copy).
     Padding rows compute on token 0 and are never added back: only real rows are (``rows`` into
     ``tokens``), so nothing computed on padding reaches a token, even from an adapter with
-    non-finite weights. Tokens of slot -1 (no adapter) are in neither.
+    non-finite weights. Tokens of slot -1 (no adapter) are in none of these.
     """
 
     small: Tensor | None  # [S] slots of the padded groups; None: every slot, in slot order
@@ -64,9 +72,25 @@ class TokenGroups:
     rows: Tensor  # the padded row of each small group's token ...
     tokens: Tensor  # ... and that token
     big: tuple[tuple[int, Tensor], ...]  # (slot, its tokens)
+    runs: tuple[tuple[int, int, int], ...]  # (slot, start, stop): RUN_MIN or more tokens in a row
 
     @staticmethod
     def of(indices: Tensor, num_slots: int) -> TokenGroups:
+        runs: tuple[tuple[int, int, int], ...] = ()
+        if len(indices) >= RUN_MIN:
+            slot_of_run, lengths = torch.unique_consecutive(indices, return_counts=True)
+            stops = torch.cumsum(lengths, 0)
+            long = (lengths >= RUN_MIN) & (slot_of_run >= 0)
+            if bool(long.any()):
+                runs = tuple(zip(slot_of_run[long].tolist(), (stops - lengths)[long].tolist(), stops[long].tolist(),
+                                 strict=True))  # fmt: skip
+                indices = indices.clone()
+                for _, start, stop in runs:
+                    indices[start:stop] = -1  # the runs' tokens are in no group
+        return TokenGroups._grouped(indices, num_slots, runs)
+
+    @staticmethod
+    def _grouped(indices: Tensor, num_slots: int, runs: tuple[tuple[int, int, int], ...]) -> TokenGroups:
         valid = torch.nonzero(indices >= 0).flatten()
         order = valid[torch.argsort(indices[valid], stable=True)]
         slot_of = indices[order]
@@ -90,7 +114,7 @@ class TokenGroups:
         small_counts = counts[~is_big]
         if not len(small_counts):
             empty = torch.zeros(0, dtype=torch.long)
-            return TokenGroups(empty, 0, empty, empty, empty, big)
+            return TokenGroups(empty, 0, empty, empty, empty, big, runs)
         in_place = 2 * len(small_counts) >= num_slots
         small = ~torch.repeat_interleave(is_big, counts)
         group_of_slot = slots if in_place else torch.cumsum(~is_big, 0) - 1
@@ -99,7 +123,7 @@ class TokenGroups:
         rows = (group * width + within)[small]
         source = torch.zeros(((num_slots if in_place else len(small_counts)) * width,), dtype=torch.long)
         source[rows] = order[small]
-        return TokenGroups(None if in_place else slots[~is_big], width, source, rows, order[small], big)
+        return TokenGroups(None if in_place else slots[~is_big], width, source, rows, order[small], big, runs)
 
 
 class LayerWeights:
@@ -108,7 +132,10 @@ class LayerWeights:
     ``shrink`` is every slice's A side by side ([slots, in, k * rank]); ``expand`` puts each
     slice's B (times the scale) in its own block of rows and columns ([slots, k * rank, sum of
     outs]), so one matmul expands every slice. ``load`` combines one slot from vLLM's stacked
-    tensors (a free slot is zero: it may still hold a former adapter's weights).
+    tensors (a free slot is zero: it may still hold a former adapter's weights). ``own`` is each
+    slot's pair without the columns of ``shrink`` that are zero (the rank vLLM padded the adapter
+    to, beyond its own: they add nothing) for the matmuls of one adapter's tokens; None: the slot
+    adds nothing.
     """
 
     def __init__(self, lora_a: tuple[Tensor, ...], lora_b: tuple[Tensor, ...], scale: float) -> None:
@@ -118,10 +145,12 @@ class LayerWeights:
         slots, k = lora_a[0].shape[0], len(lora_a)
         self.shrink = torch.zeros((slots, lora_a[0].shape[-1], k * self.rank))
         self.expand = torch.zeros((slots, k * self.rank, sum(self.outs)))
+        self.own: list[tuple[Tensor, Tensor] | None] = [None] * slots
 
     def load(self, slot: int, active: bool) -> None:
         self.shrink[slot] = 0
         self.expand[slot] = 0
+        self.own[slot] = None
         if not active:
             return
         r, at = self.rank, 0
@@ -129,6 +158,9 @@ class LayerWeights:
             self.shrink[slot, :, i * r : (i + 1) * r] = a[slot, 0].to(torch.float32).T
             self.expand[slot, i * r : (i + 1) * r, at : at + out] = b[slot, 0].to(torch.float32).T * self.scale
             at += out
+        used = torch.nonzero((self.shrink[slot] != 0).any(0)).flatten()  # NaN is used: it must show
+        if len(used):
+            self.own[slot] = (self.shrink[slot][:, used].contiguous(), self.expand[slot][used].contiguous())
 
 
 def grouped_lora_linear(y: Tensor, x: Tensor, weights: LayerWeights, groups: TokenGroups) -> None:
@@ -144,8 +176,15 @@ def grouped_lora_linear(y: Tensor, x: Tensor, weights: LayerWeights, groups: Tok
         added = torch.bmm(torch.bmm(rows, shrink), expand).view(-1, cols)
         out.index_add_(0, groups.tokens, added.index_select(0, groups.rows).to(y.dtype))
     for slot, tokens in groups.big:
-        added = x.index_select(0, tokens) @ weights.shrink[slot] @ weights.expand[slot]
-        out.index_add_(0, tokens, added.to(y.dtype))
+        if (own := weights.own[slot]) is not None:
+            out.index_add_(0, tokens, (x.index_select(0, tokens) @ own[0] @ own[1]).to(y.dtype))
+    for slot, start, stop in groups.runs:
+        if (own := weights.own[slot]) is None:
+            continue
+        if y.dtype == torch.float32:
+            out[start:stop].addmm_(x[start:stop] @ own[0], own[1])
+        else:
+            out[start:stop] += (x[start:stop] @ own[0] @ own[1]).to(y.dtype)
 
 
 def _wrapper_class() -> type:
