@@ -44,8 +44,9 @@ def register() -> None:
 # batched matmul (~0.45 us each on the shipped model's q/k/v): measured with bench/lora_layers.py.
 GROUP_COST_ROWS = 64
 # A run of this many consecutive tokens of one adapter is multiplied in place (two matmuls on
-# slices: no gather, no scatter, no padding). Replaying the steps of a bench/marlaas.py run
-# (T=203 tokens a step on average, 70% of them in such runs), 8 and 16 cost the same and 32 more.
+# slices: no gather, no scatter, no padding). In a one-off replay (not shipped) of the steps one
+# together run of bench/marlaas.py made (203 tokens a step on average, 70% of them in such runs),
+# 8 and 16 cost the same and 32 more.
 RUN_MIN = 16
 
 
