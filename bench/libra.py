@@ -3,7 +3,7 @@ against arrival-order routing on a static rollout/training split.
 
     python bench/libra.py [--part sim] [--repeats 3] [--jobs 16] [--steps 4] [--out bench-out/libra]
 
-(b) Simulated (``--part sim``): ``--jobs`` agentic LoRA GRPO jobs on Qwen3-1.7B share 48 H200s
+(b) Simulated (``--part sim``): ``--jobs`` agentic LoRA GRPO jobs on Qwen3-``--model`` (8B) share 48 H200s
 (``plexrl.sim``'s roofline costs, ``plexrl.sim.costs.pooled_agent_job``). Each job is pooled: a
 step runs ``--rollouts`` trajectories at once, each ``--turns`` turns of Lognormal(``--tokens``,
 ``--tokens-sigma``) tokens with a tool call after each (Lognormal(``--tool-median``, 1.0) s; a
@@ -16,11 +16,13 @@ so both modes do exactly the same work):
 - static: 40 rollout workers (batches of up to ``--wide`` sequences) and 8 training workers
   holding the jobs' homes; every turn goes to a rollout worker in arrival order (one level, one
   bucket; a trajectory's next turn stays on its last worker while that has room);
-- libra: the same 40 rollout workers split into buckets, 32 wide (level 0-1) and 8 narrow
-  (``--narrow`` sequences a batch, levels 2-3: fast decode steps for the stragglers), the
-  multi-level feedback queue of ``coordinator/buckets.py`` placing each turn by its trajectory's
-  attained service, turns and tool errors; and ``coordinator/rebalance.py`` lending the 8 home
-  workers to rollout while their jobs roll out (a move costs ``--move-s``, charged in full).
+- libra: the same 40 rollout workers split into buckets, 32 wide (level 0-1) and one node of 8 as
+  one tensor-parallel worker (``--tp 8 --tp-groups 1``; ``--narrow`` sequences a batch, levels
+  2-3: fast decode steps for the stragglers), the multi-level feedback queue of
+  ``coordinator/buckets.py`` placing each turn by its trajectory's tokens and tool errors against
+  its job's other trajectories at the same turn and its token budget; and
+  ``coordinator/rebalance.py`` lending the 8 home workers to rollout while their jobs roll out (a
+  move costs ``--move-s``, charged in full).
 
 A third mode, buckets (libra without lending workers), attributes the gain.
 
@@ -28,9 +30,12 @@ Reported per mode: trained samples per second (trajectories trained on, over the
 job ended) and the time every job takes to finish its steps (its arrival to its last optimizer
 step). Both modes train on identical samples in identical order per job, so a job's reward after
 each step is the same in both: the time to any target reward is the time to the step that
-reaches it, and ``convergence_speedup`` is the ratio of the mean time to the last step. The limit
-beside the throughput gain: static's span over libra's busy device-seconds spread over all 48
-devices without a gap (what libra's work would take on a perfectly packed cluster).
+reaches it, and ``convergence_speedup`` is the ratio of the mean time to the last step. Two
+limits beside the throughput gain, static's span over: libra's busy device-seconds spread over all
+48 devices without a gap (what libra's work would take on a perfectly packed cluster); and the
+longest job's dependency chain (``plexrl.sim.workload.critical_path_s``: its arrival, then step
+after step its slowest trajectory's turns alone on a straggler group and its tool waits, then its
+training alone on one device), which no routing of turns can beat.
 
 (a) Real (``--part real``, vLLM): two workers of one core each (one worker stands for one device),
 ``--real-jobs`` LoRA GRPO jobs of the tiny model alternating between the long-tailed ``sum`` task
@@ -85,6 +90,7 @@ from plexrl.rollout import completion
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, QWEN3, pooled_agent_job, tp_comm_s
 from plexrl.sim.driver import WorkerSpec
+from plexrl.sim.workload import critical_path_s, job_rngs, program
 from plexrl.tasks import get_task
 
 ROLLOUT, TRAIN = 40, 8
@@ -251,6 +257,15 @@ def simulate(mode: str, args: Any, seed: int) -> SimResult:
     return sim.run()
 
 
+def chain_s(args: Any, seed: int) -> float:
+    """When the last job would end if each ran its dependency chain alone (``critical_path_s``), its
+    turns on a straggler group."""
+    models = jobs(args)
+    comm = tp_comm_s(QWEN3[args.model], args.tp)
+    return max(m.arrival_s + critical_path_s(program(m, rng), args.tp, comm)
+               for m, rng in zip(models, job_rngs(seed, len(models)), strict=True))  # fmt: skip
+
+
 def time_to_last_step(result: SimResult, arrivals: list[float]) -> float:
     return statistics.mean(j.steps_done_s[-1] - a for j, a in zip(result.jobs, arrivals, strict=True))
 
@@ -266,6 +281,7 @@ def sim_part(args: Any) -> dict[str, list[dict[str, float]]]:
             if failed:
                 raise SystemExit(f"{mode} seed {seed}: a job did not finish: {failed[0]}")
             rows[mode].append({
+                "chain_s": chain_s(args, seed),
                 "samples_per_s": r.trained_samples_per_s, "end_s": r.end_s, "busy": r.busy_fraction,
                 "to_last_step_s": time_to_last_step(r, arrivals), "moves": r.role_moves,
                 "busy_device_s": sum(r.busy_s.values()),
@@ -291,8 +307,8 @@ def main() -> None:
     parser.add_argument("--hardness", type=float, default=0.8, help="spread of a trajectory's hardness (log space)")
     parser.add_argument("--wide", type=int, default=64, help="sequences a wide bucket's worker decodes at once")
     parser.add_argument("--narrow", type=int, default=16, help="sequences a straggler bucket's worker decodes at once")
-    parser.add_argument("--tp", type=int, default=4, help="GPUs per straggler bucket worker (tensor parallel)")
-    parser.add_argument("--tp-groups", type=int, default=2, help="straggler bucket workers")
+    parser.add_argument("--tp", type=int, default=8, help="GPUs per straggler bucket worker (tensor parallel)")
+    parser.add_argument("--tp-groups", type=int, default=1, help="straggler bucket workers")
     parser.add_argument("--model", choices=sorted(QWEN3), default="8B")
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
     parser.add_argument("--real-jobs", type=int, default=2, help="(a) jobs, alternating sum and the search agent")
@@ -339,8 +355,10 @@ def main() -> None:
     # The limit: libra's own device-seconds packed onto all the devices without a gap.
     pairs = zip(rows["static"], rows["libra"], strict=True)
     limit = [st["end_s"] * (ROLLOUT + TRAIN) / lib["busy_device_s"] for st, lib in pairs]
-    print(f"  throughput gain {spread(gain)} (limit {spread(limit)}: libra's busy device-seconds packed on all "
-          f"{ROLLOUT + TRAIN} devices without a gap)")  # fmt: skip
+    chain = [st["end_s"] / st["chain_s"] for st in rows["static"]]
+    print(f"  throughput gain {spread(gain)} (limits: {spread(limit)} with libra's busy device-seconds packed on all "
+          f"{ROLLOUT + TRAIN} devices without a gap; {spread(chain)} if the last job took only its dependency chain, "
+          f"every turn alone on a {args.tp}-GPU group)")  # fmt: skip
     print(f"  of it, buckets alone (no worker lent): {spread(alone)}")
     finals.insert(min(1, len(finals)), f"throughput_gain_sim={statistics.mean(gain):.2f} (worst {min(gain):.2f})")
     if not any(f.startswith("convergence_speedup=") for f in finals):

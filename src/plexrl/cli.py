@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from plexrl.coordinator.buckets import Mlfq
 from plexrl.errors import InvalidRequestError
 from plexrl.protocol import auth
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
@@ -112,11 +113,18 @@ def _parser() -> argparse.ArgumentParser:
         help="with --elastic: seconds a worker's move between roles is expected to take until moves are measured",
     )
     p.add_argument(
+        "--level-peers",
+        type=_increasing,
+        default=Mlfq().peer_ratios,
+        help="pooled jobs' trajectories: a level down at each of these ratios of its tokens since its prompt "
+        "to its job's other trajectories' at the same turn (comma-separated, increasing; 'off': none)",
+    )
+    p.add_argument(
         "--level-service",
-        type=_seconds_list,
-        default=(2.0, 8.0, 32.0),
-        help="pooled jobs' trajectories: seconds of service at which one moves down to levels 1, 2, ... "
-        "(comma-separated, increasing; tool errors, turns and tokens move it down too)",
+        type=_increasing,
+        default=Mlfq().service_s,
+        help="pooled jobs' trajectories: a level down at each of these seconds of service its turns received "
+        "(comma-separated, increasing; default off: seconds depend on the hardware)",
     )
     p.add_argument("--print-address", action="store_true", help="print the bound endpoint on stdout once ready")
     p.add_argument("--keys", default=None, help="key directory (`plexrl keys init DIR`): authenticate every peer")
@@ -299,13 +307,16 @@ def _level(text: str) -> int:
     return int(text)
 
 
-def _seconds_list(text: str) -> tuple[float, ...]:
+def _increasing(text: str) -> tuple[float, ...]:
+    """Thresholds: positive numbers separated by commas, increasing; 'off' (or nothing): none."""
+    if text.strip().lower() in ("", "off"):
+        return ()
     try:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds separated by commas, e.g. 2,8,32") from None
-    if not values or any(not v > 0 for v in values) or list(values) != sorted(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: the seconds must be > 0 and increasing, e.g. 2,8,32")
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers separated by commas, e.g. 2,8,32, or 'off'") from None
+    if any(not v > 0 for v in values) or list(values) != sorted(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: the numbers must be > 0 and increasing, e.g. 2,8,32")
     return values
 
 
@@ -388,6 +399,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         policy=args.policy,
         elastic=args.elastic,
         move_prior_s=args.move_prior,
+        level_peer_ratios=args.level_peers,
         level_service_s=args.level_service,
         metrics_port=args.metrics_port,
         weights_via=args.weights_via,

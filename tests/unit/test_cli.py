@@ -1,4 +1,4 @@
-"""The command line's own parsing: sizes for memory budgets, level-service seconds, worker roles,
+"""The command line's own parsing: sizes for memory budgets, level thresholds, worker roles,
 the Tinker gateway's flags."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plexrl.cli import _parser, _seconds_list, main, parse_bytes
+from plexrl.cli import _increasing, _parser, main, parse_bytes
+from plexrl.coordinator.buckets import Mlfq
 from plexrl.errors import InvalidRequestError
 from plexrl.gateway.tenants import KeyedTenants
 
@@ -28,12 +29,14 @@ def test_a_bad_size_says_how_to_write_one(text: str) -> None:
         parse_bytes(text)
 
 
-def test_level_service_seconds_parse_and_bad_ones_say_how_to_write_them() -> None:
-    args = _parser().parse_args(["coordinator", "--insecure", "--level-service", "1,4.5,20"])
-    assert args.level_service == (1.0, 4.5, 20.0)
-    for bad in ("4,1", "0,2", "a,b", ""):
+def test_level_thresholds_parse_and_bad_ones_say_how_to_write_them() -> None:
+    args = _parser().parse_args(["coordinator", "--insecure", "--level-service", "1,4.5,20", "--level-peers", "off"])
+    assert (args.level_service, args.level_peers) == ((1.0, 4.5, 20.0), ())
+    args = _parser().parse_args(["coordinator", "--insecure"])
+    assert (args.level_peers, args.level_service) == (Mlfq().peer_ratios, ()) and args.level_peers
+    for bad in ("4,1", "0,2", "a,b", "2,,3"):
         with pytest.raises(argparse.ArgumentTypeError, match="2,8,32"):
-            _seconds_list(bad)
+            _increasing(bad)
 
 
 def test_worker_roles_are_checked_by_the_command_line() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from plexrl.coordinator.buckets import Mlfq, Trajectories, Trajectory, bucket_for
+from plexrl.coordinator.buckets import Mlfq, Peers, Trajectories, Trajectory, bucket_for
 from plexrl.coordinator.events import (
     ROLES,
     CallCancelled,
@@ -1021,6 +1021,33 @@ def test_the_mlfq_moves_a_trajectory_down_by_service_and_by_what_its_tools_said(
     assert bucket_for(0, [1, 3]) == 1  # below every bucket: the lowest
 
 
+def test_the_mlfq_moves_a_trajectory_down_by_its_tokens_and_errors_against_its_peers_at_that_turn() -> None:
+    q = Mlfq(peer_ratios=(2.0, 4.0), errors_per_level=1, budget_fraction=1.0)
+    peers = Peers(seen=8, grown=100.0, errors=0.5)  # its job's trajectories at this turn
+    turn = TurnSignals(turn=1, tokens=5000)
+    assert [q.level(turn, 0.0, peers, grown) for grown in (50, 199, 200, 399, 400)] == [0, 0, 1, 1, 2]
+    assert q.level(TurnSignals(turn=1, tool_errors=2), 0.0, peers, 100) == 1  # 1.5 errors beyond its peers'
+    assert q.level(TurnSignals(turn=1, tool_errors=1), 0.0, peers, 100) == 0
+    assert q.level(TurnSignals(turn=1, tool_errors=1), 0.0, None, 100) == 1  # no peers known: errors count whole
+    assert q.level(TurnSignals(turn=0), 0.0, peers, 400) == 0  # a first turn has nothing to compare
+    assert Mlfq(peer_ratios=()).level(TurnSignals(turn=1, tool_errors=2), 0.0, peers, 400) == 2  # no comparison
+
+
+def test_a_trajectorys_peers_are_its_jobs_trajectories_at_the_same_turn_counted_from_their_prompts() -> None:
+    t = Trajectories(Mlfq(peer_ratios=(2.0, 4.0), peer_min=4, budget_fraction=1.0))
+    for i in range(4):  # 100-token prompts, 100 tokens more by turn 1
+        assert t.turn("a", f"p{i}", TurnSignals(turn=0, tokens=100)) == 0
+        assert t.turn("a", f"p{i}", TurnSignals(turn=1, tokens=200)) == 0
+    # A 50-token prompt, 400 tokens more by turn 1: four times its peers' growth (two levels; its
+    # whole 450 tokens over their 200 would be one).
+    assert t.turn("a", "long", TurnSignals(turn=0, tokens=50)) == 0
+    assert t.turn("a", "long", TurnSignals(turn=1, tokens=450)) == 2
+    for i in range(3):  # job c: fewer than peer_min seen at turn 1, so nothing compares yet
+        assert t.turn("c", f"q{i}", TurnSignals(turn=1, tokens=100 if i < 2 else 10_000)) == 0
+    t.forget("a")  # a closed job's peers go with it
+    assert t.turn("a", "fresh", TurnSignals(turn=1, tokens=10_000)) == 0
+
+
 def test_pooled_turns_go_to_their_levels_bucket_least_loaded_first_and_back_to_their_last_worker() -> None:
     s = _pool(0, 0, 2, slots=8)
     assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 1.0) == [Dispatch(1, "r0")]
@@ -1184,8 +1211,9 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     s.handle(CallFinished(3), 23.0)  # the next rollout starts: ~20 s without training expected
     assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 23.0) == [Dispatch(4, "r0")]
     assert s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 23.0) == []  # r0 is full
-    # 19 s of rollout left beats a move there and back (2 x 2 s): w0 goes to rollout, takes nothing
-    # meanwhile, and takes the waiting turn once it has switched.
+    # 19 s of rollout left: a second rollout worker saves at most half of it, which beats a move
+    # there and back (2 x 2 s): w0 goes to rollout, takes nothing meanwhile, and takes the waiting
+    # turn once it has switched.
     assert s.handle(Tick(), 24.0) == [MoveWorker("w0", "rollout")]
     assert s.handle(Tick(), 25.0) == []
     assert s.handle(WorkerRole("w0", "rollout", seconds=3.0), 26.0) == [Dispatch(5, "w0")]
@@ -1200,8 +1228,9 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     s.handle(CallFinished(7), 34.0)
     s.handle(CallSubmitted(8, "a", "generate", trajectory="v"), 34.0)
     s.handle(CallSubmitted(9, "a", "generate", trajectory="w"), 34.0)
-    # Moves now measured at 3 s: 5.5 s of expected rollout left (13.5 - 8) does not pay for one
-    # there and back (6 s); 2 s in, it did (11.5 s).
+    # Moves now measured at 3 s: half of 5.5 s of expected rollout left (13.5 - 8) does not pay for
+    # one there and back (6 s), nor half of 11.5 s (2 s in); half of 13 s (0.5 s in) does.
     assert s.handle(Tick(), 42.0) == []
     assert s.rebalancer is not None and s.rebalancer.expected_rollout_left_s("a", 36.0) == 11.5
-    assert s.handle(Tick(), 36.0) == [MoveWorker("w0", "rollout")]
+    assert s.handle(Tick(), 36.0) == []
+    assert s.handle(Tick(), 34.5) == [MoveWorker("w0", "rollout")]

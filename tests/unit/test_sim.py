@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.driver import WorkerSpec
+from plexrl.sim.workload import Fork, Step, Wait, Work, critical_path_s, job_rngs, program
 
 AGENTIC = JobModel("agent", steps=5, turns=3, tool_latency_s=Lognormal(4.0, 1.0))
 
@@ -159,3 +161,24 @@ def test_a_tensor_parallel_worker_runs_a_decode_round_in_a_share_of_the_time_plu
     (turn,) = [(s.start_s, s.end_s) for s in result.timeline if s.device == "w0"]
     assert turn[1] - turn[0] == pytest.approx(100 * (0.01 / 4 + 0.001))
     assert result.held_s["w0"] == pytest.approx(4 * (turn[1] - turn[0]))  # four devices held
+
+
+def test_a_jobs_dependency_chain_bounds_its_time_and_is_what_it_takes_alone() -> None:
+    """``critical_path_s``: the forked trajectories side by side (the slowest counts), then the
+    calls after them; a lone job on a worker of its own takes exactly its chain."""
+
+    def steps() -> Iterator[Step]:
+        yield Fork([iter([Work("generate", steps=10, own_step_s=0.02, shared_step_s=0.06), Wait(1.0)]),
+                    iter([Work("generate", steps=20, own_step_s=0.02, shared_step_s=0.06)])])  # fmt: skip
+        yield Work("forward_backward", seconds=3.0)
+
+    assert critical_path_s(steps()) == pytest.approx(max(10 * 0.08 + 1.0, 20 * 0.08) + 3.0)
+    assert critical_path_s(steps(), tp=4, comm_s=0.01) == pytest.approx(max(10 * 0.03 + 1.0, 20 * 0.03) + 3.0)
+    one = JobModel("one", steps=2, rollouts=3, turns=2, output_tokens=Lognormal(20.0, 0.5), decode_step_s=0.01,
+                   tool_latency_s=Lognormal(0.5, 0.5), pooled=True, tool_error_p=0.3)  # fmt: skip
+    (rng,) = job_rngs(7, 1)
+    chain = critical_path_s(program(one, rng))
+    result = Simulation("fifo", 2, [one], seed=7, worker_specs=[WorkerSpec("rollout", 0, 8), WorkerSpec("train")]).run()
+    assert result.end_s >= chain > 0
+    # Batched turns share a decode round, so alone on a wide worker the job may take longer, never shorter.
+    assert result.end_s == pytest.approx(chain, rel=0.5)

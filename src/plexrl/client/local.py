@@ -60,6 +60,7 @@ class LocalCluster:
         buckets: list[int] | None = None,
         elastic: bool = False,
         move_prior_s: float | None = None,
+        level_peers: tuple[float, ...] | None = None,
         level_service_s: tuple[float, ...] | None = None,
         metrics_port: int | None = None,
         weights_via: str = "workers",
@@ -100,7 +101,9 @@ class LocalCluster:
         self.buckets = buckets or [0] * workers
         self.elastic = elastic
         self.move_prior_s = move_prior_s  # with elastic: what a move costs until one is measured (None: default)
-        self.level_service_s = level_service_s  # service seconds moving trajectories down levels (None: default)
+        # What moves a pooled trajectory down the levels (coordinator/buckets.py; None: the default,
+        # (): none): ratios of its tokens to its peers', seconds of service.
+        self.level_peers, self.level_service_s = level_peers, level_service_s
         self.weights_via = weights_via  # "workers" (their data plane) or "coordinator" (bench/weights.py's baseline)
         # On several hosts (network namespaces, client/hosts.py): the coordinator on the first, worker
         # i on host 1 + i (round robin over the rest); None: all on this one, over loopback.
@@ -212,7 +215,8 @@ class LocalCluster:
                 *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
                 "--weights-via", self.weights_via,
                 *(["--move-prior", str(self.move_prior_s)] if self.move_prior_s is not None else []),
-                *(["--level-service", ",".join(map(str, self.level_service_s))] if self.level_service_s else []),
+                *(["--level-peers", _thresholds(self.level_peers)] if self.level_peers is not None else []),
+                *(["--level-service", _thresholds(self.level_service_s)] if self.level_service_s is not None else []),
                 *extra,
             ),
             stdout=asyncio.subprocess.PIPE,
@@ -303,3 +307,8 @@ def local(workers: int = 1, **options: Any) -> LocalCluster:
     ``options`` are those of :class:`LocalCluster` (device, heartbeats, start timeout, ...).
     """
     return LocalCluster(workers, **options)
+
+
+def _thresholds(values: tuple[float, ...]) -> str:
+    """``plexrl coordinator``'s form of level thresholds."""
+    return ",".join(map(str, values)) or "off"

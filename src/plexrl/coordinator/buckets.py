@@ -2,12 +2,18 @@
 that level gets, from what its trajectory has shown at its tool boundaries (a multi-level
 feedback queue on causal signals, not length predictions).
 
-A trajectory starts at level 0 and only moves down the queue (to higher levels): when the
-accelerator time its turns have received crosses a ``service_s`` threshold (attained service,
-as in Autellix), and for each signal seen at a tool boundary that says the trajectory will run
-long: a tool error or a retry (the agent will try again), ``turns_per_level`` turns taken, its
-tokens past ``budget_fraction`` of its token budget. Its level is computed when a turn is
-submitted, so a trajectory changes buckets only between turns.
+A trajectory starts at level 0 and only moves down the queue (to higher levels) for each signal
+seen at a tool boundary that says it will run long, measured against its job's other
+trajectories at the same turn (its peers: what is long or error-prone depends on the task, so no
+absolute threshold fits every job): its tokens since its prompt ``peer_ratios`` times or more
+their mean (it has been writing longer turns: hard problems stay hard); every ``errors_per_level``
+tool errors or retries beyond their mean (the agent will try again; all of them while fewer than
+``peer_min`` peers were seen, or with ``peer_ratios`` empty: no comparison at all). Besides: its
+tokens past ``budget_fraction`` of its token budget, and optionally every ``turns_per_level``
+turns and the accelerator time its turns received crossing a ``service_s`` threshold (attained
+service, as in Autellix; both off by default: an agent's turn count depends on its task, and
+seconds on the hardware and the batch). Its level is computed when a turn is submitted, so a
+trajectory changes buckets only between turns.
 
 A bucket is a group of rollout workers of one configuration, declared at worker start with the
 lowest level it serves (``plexrl worker --role rollout --bucket LEVEL``): e.g. bucket 0 with wide
@@ -25,24 +31,51 @@ from dataclasses import dataclass
 
 from plexrl.coordinator.events import TurnSignals
 
+PEER_WINDOW = 256  # a job's means at a turn follow about its last this many trajectories (lengths drift)
+
 
 @dataclass(frozen=True, slots=True)
 class Mlfq:
     """The levels and what moves a trajectory down them."""
 
     levels: int = 4
-    service_s: tuple[float, ...] = (2.0, 8.0, 32.0)  # attained accelerator-seconds at which levels 1, 2, 3 start
-    turns_per_level: int = 4  # every this many turns taken: one level down
-    errors_per_level: int = 1  # every this many tool errors or retries: one level down
+    peer_ratios: tuple[float, ...] = (2.0, 4.0)  # tokens since its prompt over its peers' mean: a level at each
+    peer_min: int = 8  # trajectories of the job seen at a turn before their means count
+    errors_per_level: int = 1  # tool errors or retries beyond its peers' mean (or all, without peers) per level
     budget_fraction: float = 0.5  # tokens past this share of the budget: one level down
+    turns_per_level: int = 0  # every this many turns taken: one level down (0: off)
+    service_s: tuple[float, ...] = ()  # attained accelerator-seconds at which a level each starts (() : off)
 
-    def level(self, signals: TurnSignals, service_s: float) -> int:
-        by_service = bisect.bisect_right(self.service_s, service_s)
-        by_signals = (signals.tool_errors + signals.retries) // max(1, self.errors_per_level)
-        by_signals += signals.turn // max(1, self.turns_per_level)
+    def level(self, signals: TurnSignals, service_s: float, peers: Peers | None = None, grown: float = 0.0) -> int:
+        """The level of a turn with these ``signals`` after ``service_s`` of service and ``grown``
+        tokens since its prompt, given its ``peers`` at this turn (None: too few seen yet)."""
+        level = bisect.bisect_right(self.service_s, service_s)
+        errors = float(signals.tool_errors + signals.retries)
+        if peers is not None and signals.turn > 0 and self.peer_ratios:
+            level += bisect.bisect_right(self.peer_ratios, grown / max(peers.grown, 1.0))
+            errors -= peers.errors
+        level += max(0, int(errors // max(1, self.errors_per_level)))
+        if self.turns_per_level > 0:
+            level += signals.turn // self.turns_per_level
         if signals.token_budget > 0 and signals.tokens >= self.budget_fraction * signals.token_budget:
-            by_signals += 1
-        return min(self.levels - 1, by_service + by_signals)
+            level += 1
+        return min(self.levels - 1, level)
+
+
+@dataclass(slots=True)
+class Peers:
+    """A job's trajectories at one turn: how many were seen, their mean tokens since their prompts
+    and their mean tool errors and retries."""
+
+    seen: int = 0
+    grown: float = 0.0
+    errors: float = 0.0
+
+    def add(self, signals: TurnSignals, grown: float) -> None:
+        self.seen += 1
+        weight = 1.0 / min(self.seen, PEER_WINDOW)  # a running mean over about the last PEER_WINDOW
+        self.grown += weight * (grown - self.grown)
+        self.errors += weight * (signals.tool_errors + signals.retries - self.errors)
 
 
 def bucket_for(level: int, buckets: list[int]) -> int:
@@ -58,15 +91,18 @@ class Trajectory:
     level: int = 0
     service_s: float = 0.0  # accelerator-seconds its turns ran (a batched turn counts its wall time)
     worker: str = ""  # where its last turn ran: its next one goes there if it can (the prefix cache)
+    prompt_tokens: int = 0  # its tokens at its first turn (0: its first turn was not seen here)
 
 
 class Trajectories:
-    """Per job, its most recent trajectories (older ones are forgotten: a job may run millions)."""
+    """Per job, its most recent trajectories (older ones are forgotten: a job may run millions) and
+    its trajectories' mean tokens at each turn."""
 
     def __init__(self, mlfq: Mlfq, keep: int = 4096) -> None:
         self.mlfq = mlfq
         self.keep = keep
         self._by_job: dict[str, OrderedDict[str, Trajectory]] = {}
+        self._peers: dict[str, dict[int, Peers]] = {}  # job -> turn -> its trajectories there
 
     def turn(self, job_id: str, trajectory: str, signals: TurnSignals) -> int:
         """A new turn of ``trajectory`` is submitted: its level (never above the last one's)."""
@@ -75,7 +111,13 @@ class Trajectories:
         known[trajectory] = traj
         while len(known) > self.keep:
             known.popitem(last=False)
-        traj.level = max(traj.level, self.mlfq.level(signals, traj.service_s))
+        if signals.turn == 0:
+            traj.prompt_tokens = signals.tokens
+        grown = signals.tokens - traj.prompt_tokens
+        peers = self._peers.setdefault(job_id, {}).setdefault(signals.turn, Peers())
+        known_peers = peers if peers.seen >= self.mlfq.peer_min else None
+        traj.level = max(traj.level, self.mlfq.level(signals, traj.service_s, known_peers, grown))
+        peers.add(signals, grown)
         return traj.level
 
     def get(self, job_id: str, trajectory: str) -> Trajectory | None:
@@ -90,3 +132,4 @@ class Trajectories:
 
     def forget(self, job_id: str) -> None:
         self._by_job.pop(job_id, None)
+        self._peers.pop(job_id, None)

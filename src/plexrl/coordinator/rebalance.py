@@ -6,10 +6,13 @@ A job's trainer state stays on its home (affinity), so training cannot spread ov
 workers; what moves is the home worker's spare time. A ``train`` worker whose homes have no
 trainer call queued or running, while turns wait for rollout workers or the rollout workers
 batch ``LEND_LOAD`` turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if
-its jobs are expected to stay out of training long enough to pay for the move: the expected
-remainder of their rollout phase (a running mean of their past phases, from a ``sync_weights``
-to the next ``forward_backward``) must exceed ``margin`` times a move there and back (a rolling
-mean of the last three measured moves, ``prior_move_s`` before any). A ``rollout`` worker holding
+the move is expected to gain more than it costs: one worker more among ``n`` rollout workers
+saves at most ``1 / (n + 1)`` of the rollout time left (all of it divisible work; less when a
+straggler's chain sets it), where that time is the expected remainder of its jobs' rollout phase
+(a running mean of their past phases, from a ``sync_weights`` to the next ``forward_backward``);
+the saving must exceed ``margin`` times a move there and back (a rolling mean of the last three
+measured moves, ``prior_move_s`` before any). So a home worker is lent to a small rollout pool
+often and to a large one only for long rollouts. A ``rollout`` worker holding
 a home moves back as soon as a trainer call of that home is submitted (training is on the
 critical path: the job's next rollout waits for it). Moving is non-blocking: the worker stops
 taking turns (or homes) at once, its running turns finish, its trainer calls run throughout.
@@ -67,14 +70,16 @@ class Rebalancer:
         """(worker, role) moves to make now."""
         moves = []
         waiting = s.queued_turns() > 0 or s.rollout_load() >= LEND_LOAD
+        rollout = sum(1 for w in s.workers() if w.role == "rollout" and not w.moving_to)
         for w in s.workers():
             if w.moving_to or not w.jobs:
                 continue
             training = any(s.trainer_busy(j) for j in w.jobs)
             if w.role == "train" and waiting and not training:
                 left = min(self.expected_rollout_left_s(j, now) for j in w.jobs)
-                if left > self.margin * 2 * self.move_s():
+                if left / (rollout + 1) > self.margin * 2 * self.move_s():
                     moves.append((w.worker_id, "rollout"))
+                    rollout += 1
             elif w.role == "rollout" and training:
                 moves.append((w.worker_id, "train"))
         return moves

@@ -192,8 +192,10 @@ class CoordinatorConfig:
     # the rollout workers until one of them has training to do (``coordinator/rebalance.py``).
     elastic: bool = False
     move_prior_s: float = 1.0  # what a move is expected to cost before one is measured
-    # Libra's buckets: the accelerator-seconds of service at which a trajectory moves down to levels
-    # 1, 2, 3 (besides its tool errors, turns and tokens: ``coordinator/buckets.py``).
+    # Libra's buckets (``coordinator/buckets.py``): the ratios of a trajectory's tokens to its job's
+    # other trajectories' at the same turn at which it moves a level down each, and the
+    # accelerator-seconds of service at which it does (() : service counts for nothing).
+    level_peer_ratios: tuple[float, ...] = Mlfq().peer_ratios
     level_service_s: tuple[float, ...] = Mlfq().service_s
     # A Prometheus endpoint (coordinator/metrics.py) on this port of the bind address's host; 0: a
     # free port (logged); None: none.
@@ -217,7 +219,7 @@ class Coordinator:
         self._scheduler = sch.Scheduler(
             config.policy,
             recovery_wait_s=config.recovery_wait_s,
-            mlfq=Mlfq(levels=len(config.level_service_s) + 1, service_s=config.level_service_s),
+            mlfq=Mlfq(peer_ratios=config.level_peer_ratios, service_s=config.level_service_s),
             rebalancer=rebalancer,
         )
         self._workers: dict[str, _WorkerRecord] = {}

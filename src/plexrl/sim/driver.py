@@ -34,11 +34,9 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
-from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, program
+from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, job_rngs, program
 from plexrl.trace import Span
 
 _EPS = 1e-9
@@ -202,10 +200,9 @@ class Simulation:
         self._devices = {w: _Device(tp=spec.tp, comm_s=spec.comm_s) for w, spec in self._specs.items()}
         self._jobs: dict[str, _SimJob] = {}
         self._calls: dict[int, tuple[str, Work, _Runner]] = {}  # submitted, not yet dispatched
-        seeds = np.random.SeedSequence(seed).spawn(len(jobs))
-        for i, (model, s) in enumerate(zip(jobs, seeds, strict=True)):
+        for i, (model, rng) in enumerate(zip(jobs, job_rngs(seed, len(jobs)), strict=True)):
             job_id = f"{model.name}-{i}"
-            runner = _Runner(program(model, np.random.default_rng(s)))
+            runner = _Runner(program(model, rng))
             self._jobs[job_id] = _SimJob(model, runner, JobResult(model.name))
 
     def run(self, until_s: float = float("inf")) -> SimResult:

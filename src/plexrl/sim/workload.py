@@ -23,7 +23,7 @@ batched turns share) plus ``kv_step_s_per_token`` times its context so far.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -176,3 +176,27 @@ def _trajectory(model: JobModel, rng: np.random.Generator, name: str) -> tuple[I
         steps.append(Wait(float(model.tool_latency_s.draw(rng))))
         turn += 1
     return iter(steps), context
+
+
+def job_rngs(seed: int, jobs: int) -> list[np.random.Generator]:
+    """Each job's own generator in a run of ``seed`` (``Simulation`` draws every job's program from
+    these, so anything that replays the draws gets the same work)."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(jobs)]
+
+
+def critical_path_s(steps: Iterable[Step], tp: int = 1, comm_s: float = 0.0) -> float:
+    """How long ``steps`` take if every call runs alone the moment it may, its generates on a
+    ``tp``-device tensor-parallel worker (each decode step ``1/tp`` of its batch-of-one cost plus
+    ``comm_s``), its other calls on one device, its forked trajectories side by side: a lower bound
+    on the job's time under any schedule on such workers (its dependency chain)."""
+    total = 0.0
+    for step in steps:
+        if isinstance(step, Fork):
+            total += max((critical_path_s(p, tp, comm_s) for p in step.programs), default=0.0)
+        elif isinstance(step, Wait):
+            total += step.seconds
+        elif step.kind == "generate":
+            total += step.steps * ((step.own_step_s + step.shared_step_s) / tp + comm_s)
+        else:
+            total += step.seconds
+    return total
