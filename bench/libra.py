@@ -1,7 +1,7 @@
 """Libra: agent turns routed by what their tools said, and home workers lent to rollout while idle,
 against arrival-order routing on a static rollout/training split.
 
-    python bench/libra.py [--part sim] [--repeats 3] [--jobs 16] [--steps 4] [--out bench-out/libra]
+    python bench/libra.py [--part both|real|sim] [--repeats 3] [--jobs 16] [--steps 4] [--out bench-out/libra]
 
 (b) Simulated (``--part sim``): ``--jobs`` agentic LoRA GRPO jobs on Qwen3-``--model`` (8B) share 48 H200s
 (``plexrl.sim``'s roofline costs, ``plexrl.sim.costs.pooled_agent_job``). Each job is pooled: a
@@ -294,7 +294,7 @@ def sim_part(args: Any) -> dict[str, list[dict[str, float]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["sim", "real", "both"], default="sim")
+    parser.add_argument("--part", choices=["both", "real", "sim"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
@@ -311,7 +311,7 @@ def main() -> None:
     parser.add_argument("--tp-groups", type=int, default=1, help="straggler bucket workers")
     parser.add_argument("--model", choices=sorted(QWEN3), default="8B")
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
-    parser.add_argument("--real-jobs", type=int, default=2, help="(a) jobs, alternating sum and the search agent")
+    parser.add_argument("--real-jobs", type=int, default=4, help="(a) jobs, alternating sum and the search agent")
     parser.add_argument("--real-steps", type=int, default=3, help="(a) GRPO steps per job")
     parser.add_argument("--prompts", type=int, default=16, help="(a) problems per step")
     parser.add_argument("--group", type=int, default=8, help="(a) trajectories per problem (a GRPO group)")
