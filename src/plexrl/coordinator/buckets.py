@@ -96,7 +96,7 @@ class Trajectory:
 
 class Trajectories:
     """Per job, its most recent trajectories (older ones are forgotten: a job may run millions) and
-    its trajectories' mean tokens at each turn."""
+    its trajectories at each turn (``Peers``)."""
 
     def __init__(self, mlfq: Mlfq, keep: int = 4096) -> None:
         self.mlfq = mlfq
