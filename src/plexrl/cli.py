@@ -10,9 +10,11 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import sys
 import threading
+import time
 
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.errors import InvalidRequestError
@@ -29,6 +31,26 @@ def _die_with_parent(parent_pid: int | None) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         sys.exit(0)
+    threading.Thread(target=_exit_after_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+ORPHAN_GRACE_S = 5.0  # after its parent died: how long a clean shutdown (the SIGTERM above) may take
+
+
+def _exit_after_parent(parent_pid: int) -> None:
+    """End the process ``ORPHAN_GRACE_S`` after its parent died, if the SIGTERM did not: a shutdown
+    that hangs must not leave an orphan holding the script's pipes and ports."""
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (OSError, AttributeError):  # no pidfd (old kernel, not Linux): look once a second
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])  # readable once the parent has exited
+        os.close(fd)
+    time.sleep(ORPHAN_GRACE_S)
+    logging.getLogger(__name__).error("still running %.0f s after the parent died: exiting", ORPHAN_GRACE_S)
+    os._exit(1)
 
 
 def _device(value: str) -> str:

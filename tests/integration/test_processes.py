@@ -65,6 +65,26 @@ async def test_embedded_children_die_with_a_killed_script() -> None:
             await _exited(pid)
 
 
+async def test_a_child_that_ignores_the_parents_death_signal_still_exits() -> None:
+    """A clean shutdown that hangs (here: SIGTERM ignored) must not leave an orphan behind."""
+    child = (
+        "import signal, sys, threading; from plexrl import cli; cli._die_with_parent(int(sys.argv[1])); "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); threading.Event().wait()"
+    )
+    parent = (
+        "import os, subprocess, sys; "
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())], stdout=subprocess.PIPE); "
+        "assert c.stdout.readline().strip() == b'ready'; print(c.pid, flush=True); c.wait()"
+    )
+    script = await asyncio.create_subprocess_exec(sys.executable, "-c", parent, stdout=asyncio.subprocess.PIPE)
+    assert script.stdout is not None
+    async with asyncio.timeout(60):
+        pid = int(await script.stdout.readline())
+        script.kill()
+        await script.wait()
+        await _exited(pid)
+
+
 async def _exited(pid: int) -> None:
     """Wait until ``pid`` (not our child) terminates, via a pidfd that turns readable then."""
     try:
