@@ -1218,8 +1218,9 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     assert s.handle(Tick(), 25.0) == []
     assert s.handle(WorkerRole("w0", "rollout", seconds=3.0), 26.0) == [Dispatch(5, "w0")]
     # Training is submitted (a 7 s phase: the mean is now 13.5 s): w0 goes back at once, and the
-    # training runs beside the turn still ending there.
-    assert s.handle(CallSubmitted(6, "a", "forward_backward"), 30.0) == [MoveWorker("w0", "train"), Dispatch(6, "w0")]
+    # training runs there at once, exclusive: the turn still running there pauses until it ends.
+    back = [MoveWorker("w0", "train"), Dispatch(6, "w0", exclusive=True)]
+    assert s.handle(CallSubmitted(6, "a", "forward_backward"), 30.0) == back
     s.handle(WorkerRole("w0", "train", seconds=3.0), 31.0)
     s.handle(CallFinished(4), 31.0)
     s.handle(CallFinished(5), 31.0)

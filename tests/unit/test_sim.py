@@ -12,7 +12,7 @@ from plexrl.coordinator.events import CallSubmitted
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
-from plexrl.sim.driver import WorkerSpec
+from plexrl.sim.driver import WorkerSpec, _Device, _Runner, _Running
 from plexrl.sim.workload import Fork, Step, Wait, Work, critical_path_s, job_rngs, program
 
 AGENTIC = JobModel("agent", steps=5, turns=3, tool_latency_s=Lognormal(4.0, 1.0))
@@ -182,3 +182,19 @@ def test_a_jobs_dependency_chain_bounds_its_time_and_is_what_it_takes_alone() ->
     assert result.end_s >= chain > 0
     # Batched turns share a decode round, so alone on a wide worker the job may take longer, never shorter.
     assert result.end_s == pytest.approx(chain, rel=0.5)
+
+
+def test_an_exclusive_call_pauses_the_generates_on_its_device_and_they_go_on_after() -> None:
+    def running(call_id: int, work: Work, exclusive: bool = False) -> _Running:
+        left = float(work.steps) if work.kind == "generate" else work.seconds
+        return _Running(call_id, "j", work, left, 0.0, _Runner(iter([])), exclusive=exclusive)
+
+    turn = Work("generate", steps=100, own_step_s=0.01)
+    train = Work("forward_backward", seconds=2.0)
+    shared, alone = _Device(), _Device()
+    shared.running = {1: running(1, turn), 2: running(2, train)}
+    alone.running = {1: running(1, turn), 2: running(2, train, exclusive=True)}
+    assert shared.rates() == {1: pytest.approx(50.0), 2: 0.5}  # half the device each
+    assert alone.rates() == {1: 0.0, 2: 1.0}  # the training has it to itself; the turn waits
+    alone.running.pop(2)
+    assert alone.rates() == {1: pytest.approx(100.0)}

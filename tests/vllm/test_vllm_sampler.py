@@ -267,6 +267,26 @@ def test_sleep_on_cpu_pauses_sampling_and_wake_resumes_it(engines: tuple[Engine,
     _assert_same(got, want)
 
 
+def test_an_exclusive_call_pauses_the_engines_sampling_and_its_requests_go_on_after(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """What a worker taken back from rollout does around a trainer call: its turns in flight stay."""
+    vllm, _ = engines
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    call = Generate(prompts=_prompts("1+1=", "2*3="), params=GREEDY)
+    first = vllm.start("add", call)
+    assert first is not None
+    want = first.result(timeout=120)
+    with vllm.exclusive():
+        assert sampler.sleeping == 0  # scheduling paused
+        kept = vllm.start("add", call)
+        assert kept is not None
+    assert sampler.sleeping is None
+    got = kept.result(timeout=120)
+    assert isinstance(got, Generated) and isinstance(want, Generated)
+    _assert_same(got, want)
+
+
 async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:
     """Real processes: two LoRA jobs on one `plexrl worker --sampler vllm`, generating at once."""
     import asyncio

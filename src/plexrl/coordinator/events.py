@@ -191,6 +191,10 @@ class Dispatch:
     call_id: int
     worker_id: str
     priority: int = 0  # for the worker's engine queue (vLLM): lower runs first
+    # Sampling on the worker pauses while it runs (its turns are kept and go on after): a trainer
+    # call on a worker taken back from rollout, whose leftover turns would slow the training that
+    # the job's next rollout waits for.
+    exclusive: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -814,9 +814,9 @@ class Scheduler:
                         self._started[call.call_id] = now
                     self.ledger.call_started(worker.worker_id, job.job_id, now)
                     # A pooled turn's engine priority is its level (lower runs first): the MLFQ inside a bucket.
-                    actions.append(
-                        Dispatch(call.call_id, worker.worker_id, call.level if pooled_turn else call.priority)
-                    )
+                    priority = call.level if pooled_turn else call.priority
+                    exclusive = call.lane == TRAINER and self._turns_left_on(worker)
+                    actions.append(Dispatch(call.call_id, worker.worker_id, priority, exclusive))
                 continue
             if job.state.waiting_since_s is None:
                 job.state.waiting_since_s = now
@@ -830,6 +830,12 @@ class Scheduler:
             if victim is not None:
                 actions += self._evict(worker, victim)
         return actions
+
+    def _turns_left_on(self, worker: _Worker) -> bool:
+        """Whether a worker taken back for training still runs turns from its time in rollout."""
+        if "train" not in (worker.role, worker.moving_to):
+            return False
+        return any(c in self._calls and self._calls[c].lane == SAMPLER for c in worker.running)
 
     def _startable(self, job: _ScheduledJob, lane: str) -> list[_Call]:
         """The calls of ``job``'s ``lane`` that may start now, in the order they should.

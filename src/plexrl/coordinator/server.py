@@ -949,7 +949,7 @@ class Coordinator:
 
     def _carry_out(self, action: ev.Action) -> None:
         match action:
-            case ev.Dispatch(call_id, worker_id, priority):
+            case ev.Dispatch(call_id, worker_id, priority, exclusive):
                 rec = self._calls[call_id]
                 rec.worker_id = worker_id
                 rec.dispatched_at = time.monotonic()
@@ -966,7 +966,7 @@ class Coordinator:
                     call = msgspec.structs.replace(call, snapshot=True)  # kept here: _commit
                 if job is not None and job.pooled and isinstance(call, calls.Generate) and worker_id != job.worker_id:
                     self._replicate(job, worker_id)
-                execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority)
+                execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority, exclusive=exclusive)
                 self._send(self._workers[worker_id].ident, execute)
             case ev.Fail(job_id, call_id, error):
                 failed = self._calls.get(call_id) if call_id is not None else None

@@ -252,6 +252,7 @@ class Execute(Envelope, tag="execute", frozen=True):
     job_id: str
     call: Call
     priority: int = 0  # lower runs first where the engine queues requests (vLLM)
+    exclusive: bool = False  # pause the worker's sampling while this call runs (its requests are kept)
 
 
 class MoveState(Envelope, tag="move_state", frozen=True):

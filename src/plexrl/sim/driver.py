@@ -125,6 +125,7 @@ class _Running:
     started_s: float
     runner: _Runner
     members: tuple[str, ...] = ()  # a group call: the members besides the device it is modelled on
+    exclusive: bool = False  # the device's generates pause while it runs (``events.Dispatch``)
 
 
 @dataclass(slots=True)
@@ -149,9 +150,12 @@ class _Device:
                 return {r.call_id: float(self.tp)}
             return {r.call_id: 1.0 / step_s if step_s > 0 else float("inf")}
         gens = [r for r in self.running.values() if r.work.kind == "generate"]
-        parties = len(self.running) - len(gens) + (1 if gens else 0)
+        paused = bool(gens) and any(r.exclusive for r in self.running.values())
+        parties = len(self.running) - len(gens) + (1 if gens and not paused else 0)
         rates = {r.call_id: self.tp / parties for r in self.running.values() if r.work.kind != "generate"}
-        if gens:
+        if paused:
+            rates.update({r.call_id: 0.0 for r in gens})
+        elif gens:
             shared = {r.work.base or f"#{r.call_id}": r.work.shared_step_s for r in gens}
             round_s = (sum(shared.values()) + sum(r.work.own_step_s for r in gens)) / self.tp + self.comm_s
             for r in gens:
@@ -258,8 +262,8 @@ class Simulation:
                     job = self._jobs[job_id]
                     job.result.worker, job.result.started_s, job.result.members = worker_id, self.now, members
                     self._advance(job_id, job.runner)
-                case ev.Dispatch(call_id, worker_id):
-                    self._start(call_id, worker_id)
+                case ev.Dispatch(call_id, worker_id, _, exclusive):
+                    self._start(call_id, worker_id, exclusive)
                 case ev.MoveWorker(worker_id, role):
                     self._moves[worker_id] = role
                     self._role_moves += 1
@@ -316,7 +320,7 @@ class Simulation:
 
     # -- devices --------------------------------------------------------------------------------
 
-    def _start(self, call_id: int, worker_id: str) -> None:
+    def _start(self, call_id: int, worker_id: str, exclusive: bool = False) -> None:
         job_id, work, runner = self._calls.pop(call_id)
         device = self._devices[worker_id]
         self._settle(device)
@@ -327,7 +331,7 @@ class Simulation:
         for member in members:  # held by the gang: nothing else runs there until the call ends
             other = self._devices[member]
             other.first_s = self.now if other.first_s is None else other.first_s
-        device.running[call_id] = _Running(call_id, job_id, work, left, self.now, runner, members)
+        device.running[call_id] = _Running(call_id, job_id, work, left, self.now, runner, members, exclusive)
         result = self._jobs[job_id].result
         result.calls += 1
         if not device.completing:
@@ -346,7 +350,7 @@ class Simulation:
         device.pace = rates = device.rates() if device.running else {}
         if not rates:
             return
-        soonest = min(max(0.0, r.left) / rates[r.call_id] for r in device.running.values())
+        soonest = min(max(0.0, r.left) / rates[r.call_id] for r in device.running.values() if rates[r.call_id] > 0)
         self._at(self.now + soonest, functools.partial(self._complete, worker_id, device.version))
 
     def _complete(self, worker_id: str, version: int) -> None:
@@ -356,7 +360,8 @@ class Simulation:
         self._settle(device)
         done = [r for r in device.running.values() if r.left <= _EPS * max(1.0, r.work.alone_s)]
         if not done:  # rounding: the soonest call is a hair short of done
-            done = [min(device.running.values(), key=lambda r: r.left)]
+            moving = [r for r in device.running.values() if device.pace.get(r.call_id, 0.0) > 0]
+            done = [min(moving, key=lambda r: r.left / device.pace[r.call_id])]
         for r in done:
             del device.running[r.call_id]
         device.last_s = self.now

@@ -8,8 +8,10 @@ anything else propagates as-is and the server reports it as a failed call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -79,6 +81,20 @@ class Engine:
             # store (and may be moving on the mover's thread meanwhile): nothing here touches it.
             return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
         return None
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Pause the LoRA jobs' vLLM sampling while inside: a trainer call gets the device (on CPU:
+        the core) to itself; requests in flight are kept and go on after. A full fine-tune job's
+        own engine is not paused (it holds that one job's turns only)."""
+        paused = [s for s in self._vllm.values() if s.sleeping is None]
+        for sampler in paused:
+            sampler.sleep(0)
+        try:
+            yield
+        finally:
+            for sampler in paused:
+                sampler.wake()
 
     def close(self) -> None:
         for job in self._jobs.values():

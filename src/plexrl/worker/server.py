@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -58,6 +59,10 @@ class CallEngine(Protocol):
         ...
 
     def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
+
+    def exclusive(self) -> AbstractContextManager[None]:
+        """Sampling paused while inside (requests in flight are kept and go on after)."""
+        ...
 
     def served_weights(self, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
         """The weights the job's sampler serves now, and their version (to publish for other workers)."""
@@ -271,22 +276,25 @@ class Worker:
             sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, rejected)), copy=False)
             return
         if background is None:
-            sock.send_multipart(self._reply(ex, start, lambda: self._run(engine, ex.job_id, ex.call)), copy=False)
+            run = functools.partial(self._run, engine, ex.job_id, ex.call, ex.exclusive)
+            sock.send_multipart(self._reply(ex, start, run), copy=False)
         else:
             self._running[ex.rid] = background
             background.add_done_callback(lambda f: self._later(functools.partial(self._finished_call, ex, start, f)))
 
-    def _run(self, engine: CallEngine, job_id: str, call: calls.Call) -> calls.Result:
+    def _run(self, engine: CallEngine, job_id: str, call: calls.Call, exclusive: bool = False) -> calls.Result:
         """Run ``call`` on the engine, with the data plane around it: weights a ``SetWeights``
         names are fetched from the worker serving them first; weights a call exports are
-        published here after, and the coordinator hears where."""
+        published here after, and the coordinator hears where. ``exclusive``: sampling pauses
+        meanwhile."""
         match call:
             case calls.SetWeights(source=source) if source is not None:
                 call = msgspec.structs.replace(call, tensors=self._data.fetch(source), source=None)
             case calls.Close():
                 self._data.forget(job_id)
         received = time.time()  # a SetWeights' tensors are in memory now (inline ones came with the call)
-        result = engine.execute(job_id, call)
+        with engine.exclusive() if exclusive else contextlib.nullcontext():
+            result = engine.execute(job_id, call)
         match call, result:
             case calls.SetWeights(exported_at=exported), calls.Synced() if exported:
                 return msgspec.structs.replace(result, push_s=max(0.0, received - exported))
