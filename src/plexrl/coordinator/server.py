@@ -901,8 +901,10 @@ class Coordinator:
 
     def _settle_move(self, worker_id: str) -> None:
         """Finish a ``MoveWorker`` once nothing of the old role runs there: a worker leaving
-        rollout waits for its running turns (its homes' trainer calls never wait). On CPU the
-        switch itself is free (vLLM has no sleep mode there); what the move took is the wait."""
+        rollout waits for its running turns (its homes' trainer calls never wait: they run at
+        once, exclusive). On CPU the switch itself is free (vLLM has no sleep mode there). What
+        the move cost is the time its new role's calls waited: a move to rollout waits for nothing
+        here; a move back to training keeps no trainer call waiting, so the drain is not counted."""
         rec = self._workers.get(worker_id)
         if rec is None or rec.moving is None:
             return
@@ -911,7 +913,8 @@ class Coordinator:
             return
         rec.moving = None
         rec.role_moves += 1
-        self._apply(ev.WorkerRole(worker_id, role, seconds=max(self._now() - since, 1e-3)))
+        cost = 0.0 if role == "train" else self._now() - since
+        self._apply(ev.WorkerRole(worker_id, role, seconds=max(cost, 1e-3)))
 
     def _close_unawaited(self, worker_id: str, job_id: str) -> None:
         """Free what a worker holds of a job nobody can use any more; its answer is dropped."""
