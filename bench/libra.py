@@ -90,7 +90,7 @@ from plexrl.rollout import completion
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, QWEN3, pooled_agent_job, tp_comm_s
 from plexrl.sim.driver import WorkerSpec
-from plexrl.sim.workload import critical_path_s, job_rngs, program
+from plexrl.sim.workload import critical_path_s, hardness_sigma, job_rngs, program
 from plexrl.tasks import get_task
 
 ROLLOUT, TRAIN = 40, 8
@@ -115,13 +115,15 @@ class RealJob:
     trained: int = 0  # trajectories trained on
     rewards: list[float] = field(default_factory=list)  # mean training reward per step
     run: marlaas.Run | None = None  # its sampled tokens (digest) and lengths
+    kind: str = ""  # its task
+    turn_lengths: list[list[int]] = field(default_factory=list)  # each trajectory's turns' sampled tokens
 
 
 async def real_job(index: int, rep: int, args: Any, placement: str, t0: float) -> RealJob:
     kind = marlaas.KINDS[index % 2]
     task = get_task(kind)
     spec = marlaas.Spec(index, kind, 4)
-    result = RealJob(spec.name, start=time.perf_counter() - t0, run=marlaas.Run(spec))
+    result = RealJob(spec.name, start=time.perf_counter() - t0, run=marlaas.Run(spec), kind=kind)
     assert result.run is not None
     rng = np.random.default_rng([rep, index])
     lora, adamw = plexrl.LoRA(rank=spec.rank), plexrl.AdamW(lr=args.lr)
@@ -134,6 +136,7 @@ async def real_job(index: int, rep: int, args: Any, placement: str, t0: float) -
             trajs = await marlaas.trajectories(job, task, problems, args.group, keys, args, greedy=False)
             for t in trajs:
                 result.run.sampled(len(t), [turn.tokens for turn in t.turns])
+                result.turn_lengths.append([len(turn.tokens) for turn in t.turns])
             rewards = [
                 task.score(problems[i // args.group], completion(t, marlaas.TOKENIZER)) for i, t in enumerate(trajs)
             ]
@@ -198,6 +201,7 @@ def real_part(args: Any) -> tuple[list[float], list[float]]:
     }
     same = [digests["static"][i] == digests[m][i] for m in REAL_MODES for i in range(args.repeats)]
     print(f"  every job sampled the same tokens in every mode: {sum(same)}/{len(same)} (mode, repetition) pairs")
+    calibration(rows["static"], args)
     static, libra, colocated = rows["static"], rows["libra"], rows["colocated"]
     gain = [b.samples_per_s / a.samples_per_s for a, b in zip(static, libra, strict=True)]
     speedup = [a.to_last_step_s / b.to_last_step_s for a, b in zip(static, libra, strict=True)]
@@ -213,6 +217,20 @@ def real_part(args: Any) -> tuple[list[float], list[float]]:
         for mode, reps in rows.items()
     }, indent=1))  # fmt: skip
     return gain, speedup
+
+
+def calibration(reps: list[RealRep], args: Any) -> None:
+    """The real part's workload in the simulated one's terms, to set beside what (b) assumes."""
+    for kind in marlaas.KINDS:
+        trajs = [t for r in reps for j in r.jobs if j.kind == kind for t in j.turn_lengths]
+        turns = Lognormal.fit(n for t in trajs for n in t if n > 0)
+        print(f"  workload, {kind}: turns of Lognormal({turns.median:.0f}, {turns.sigma:.2f}) tokens, hardness spread "
+              f"{hardness_sigma(trajs):.2f}, {statistics.mean(len(t) for t in trajs):.1f} turns a trajectory (most "
+              f"{max(len(t) for t in trajs)})")  # fmt: skip
+    print(f"  (b) assumes turns of Lognormal({args.tokens:g}, {args.tokens_sigma:g}) tokens, hardness spread "
+          f"{args.hardness:g}, {args.turns} turns and one more for each of the {args.tool_error_p:.0%} failing tool "
+          f"calls; tools Lognormal({args.tool_median:g}, 1) s against (a)'s Lognormal({args.real_tool_median:g}, "
+          f"{args.tool_sigma:g}) s")  # fmt: skip
 
 
 def spread(values: list[float], digits: int = 2) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from plexrl.coordinator.buckets import Mlfq
@@ -13,7 +14,7 @@ from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.driver import WorkerSpec, _Device, _Runner, _Running
-from plexrl.sim.workload import Fork, Step, Wait, Work, critical_path_s, job_rngs, program
+from plexrl.sim.workload import Fork, Step, Wait, Work, critical_path_s, hardness_sigma, job_rngs, program
 
 AGENTIC = JobModel("agent", steps=5, turns=3, tool_latency_s=Lognormal(4.0, 1.0))
 
@@ -198,3 +199,19 @@ def test_an_exclusive_call_pauses_the_generates_on_its_device_and_they_go_on_aft
     assert alone.rates() == {1: 0.0, 2: 1.0}  # the training has it to itself; the turn waits
     alone.running.pop(2)
     assert alone.rates() == {1: pytest.approx(100.0)}
+
+
+def test_a_workloads_turn_lengths_and_hardness_are_recovered_from_its_trajectories() -> None:
+    """What calibrates the simulated workload from a real run, checked on the simulator's own draws."""
+    model = JobModel("agent", steps=1, rollouts=2000, turns=4, output_tokens=Lognormal(300.0, 0.6),
+                     difficulty_sigma=0.8, pooled=True)  # fmt: skip
+    rng = np.random.default_rng(0)
+    (fork, *_) = program(model, rng)
+    assert isinstance(fork, Fork)
+    lengths = [[w.steps for w in p if isinstance(w, Work)] for p in fork.programs]
+    # A turn's length is its hardness times its own draw: spreads add in log space (rounding aside).
+    fitted = Lognormal.fit([n for t in lengths for n in t])
+    assert fitted.sigma == pytest.approx(float(np.hypot(0.6, 0.8)), rel=0.05)
+    assert fitted.median == pytest.approx(300.0, rel=0.1)
+    assert hardness_sigma(lengths) == pytest.approx(0.8, rel=0.03)  # uncorrected for the turns: 0.85
+    assert hardness_sigma([[n] for t in lengths for n in t]) == 0.0  # single turns say nothing of it

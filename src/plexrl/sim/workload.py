@@ -43,6 +43,25 @@ class Lognormal:
     def draw(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> np.ndarray:
         return rng.lognormal(np.log(self.median), self.sigma, size)
 
+    @classmethod
+    def fit(cls, samples: Iterable[float]) -> Lognormal:
+        """The lognormal of ``samples`` (positive): the median and spread of their logarithms."""
+        logs = np.log(np.asarray(list(samples), dtype=np.float64))
+        return cls(float(np.exp(logs.mean())), float(logs.std()))
+
+
+def hardness_sigma(turn_lengths: Iterable[Iterable[int]]) -> float:
+    """The spread of a per-trajectory hardness (``JobModel.difficulty_sigma``) in trajectories'
+    turn lengths: the variance of their mean log length beyond what their turns' own spread
+    explains (one-way random effects, trajectories of two or more turns)."""
+    logs = [np.log(np.asarray(list(t), dtype=np.float64)) for t in turn_lengths]
+    logs = [t for t in logs if len(t) >= 2]
+    if len(logs) < 2:
+        return 0.0
+    within = float(np.mean([t.var(ddof=1) for t in logs]))
+    between = float(np.var([t.mean() for t in logs], ddof=1))
+    return float(np.sqrt(max(0.0, between - within * float(np.mean([1 / len(t) for t in logs])))))
+
 
 @dataclass(frozen=True, slots=True)
 class JobModel:
