@@ -757,6 +757,11 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                     assert all(ok for c, ok in zip(earlier, settled, strict=True) if kinds[c] in BARRIER_KINDS), (
                         "no call passes an unfinished barrier"
                     )
+                role_now = (roles[a.worker_id][0], switching.get(a.worker_id, ""))
+                turns_here = any(kinds[c] == "generate" and w == a.worker_id for c, (_, w) in running.items())
+                assert a.exclusive == (kind != "generate" and "train" in role_now and turns_here), (
+                    "a trainer call on a worker taken back from rollout pauses the turns left there; nothing else does"
+                )
                 if kind != "generate":
                     others = [c for c, (j, _) in running.items() if j == job and kinds[c] != "generate"]
                     assert not others, "one trainer-lane call per job at a time"
@@ -1157,6 +1162,9 @@ PLANTED = {
     "levels go back up": _plant_levels_go_back,
     "turns stay on the home": lambda mp: mp.setattr(Scheduler, "_pooled_away", lambda self, job: False),
     "homes on rollout workers": lambda mp: mp.setattr(Scheduler, "_homes", lambda self: list(self._workers.values())),
+    "training shares its worker with the turns left there": lambda mp: mp.setattr(
+        Scheduler, "_turns_left_on", lambda self, worker: False
+    ),
     "a worker moving to training takes turns": lambda mp: mp.setattr(
         Scheduler, "_rollout", lambda self: [w for w in self._workers.values() if w.role == "rollout"]
     ),
