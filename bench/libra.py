@@ -57,7 +57,9 @@ the table says whether every job sampled the same tokens in all modes (a digest)
 mode: trained samples per second (trajectories trained on over the span) and the mean time to a
 job's last step. The limit beside ``throughput_gain_real``: static's span over libra's if libra's
 rollout used both cores for all of static's rollout time (static's span minus half its rollout
-worker's busy time).
+worker's busy time). It also prints its workload in (b)'s terms (each task's turn lengths as a
+lognormal, the spread of a per-trajectory hardness, turns a trajectory: ``plexrl.sim.workload``'s
+``Lognormal.fit`` and ``hardness_sigma``) beside what (b) assumes.
 
 Ends with ``throughput_gain_real=``, ``throughput_gain_sim=`` (means over repetitions, worst
 beside them) and ``convergence_speedup=`` (the real part's when it ran, else the simulated one's).
