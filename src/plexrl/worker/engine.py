@@ -87,14 +87,12 @@ class Engine:
         """Pause the LoRA jobs' vLLM sampling while inside: a trainer call gets the device (on CPU:
         the core) to itself; requests in flight are kept and go on after. A full fine-tune job's
         own engine is not paused (it holds that one job's turns only)."""
-        paused = [s for s in self._vllm.values() if s.sleeping is None]
-        for sampler in paused:
-            sampler.sleep(0)
-        try:
+        with contextlib.ExitStack() as paused:  # woken whatever happens, those paused so far included
+            for sampler in self._vllm.values():
+                if sampler.sleeping is None:
+                    sampler.sleep(0)
+                    paused.callback(sampler.wake)
             yield
-        finally:
-            for sampler in paused:
-                sampler.wake()
 
     def close(self) -> None:
         for job in self._jobs.values():
