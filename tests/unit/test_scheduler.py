@@ -1243,3 +1243,21 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     assert s.rebalancer is not None and s.rebalancer.expected_rollout_left_s("a", 36.0) == 11.5
     assert s.handle(Tick(), 36.0) == []
     assert s.handle(Tick(), 34.5) == [MoveWorker("w0", "rollout")]
+
+
+def test_the_rebalancer_lends_a_home_by_its_jobs_rollout_time_so_far_and_not_for_a_job_between_phases() -> None:
+    s = Scheduler("fifo", rebalancer=Rebalancer(prior_move_s=1.0))
+    s.handle(WorkerJoined("w0", slots=2, role="train"), 0.0)
+    s.handle(WorkerJoined("r0", slots=1, role="rollout"), 0.0)
+    for job, sync in (("a", 1), ("b", 2)):
+        s.handle(JobOpened(job, pooled=True), 0.0)
+        s.handle(CallSubmitted(sync, job, "sync_weights"), 0.0)
+        s.handle(CallFinished(sync), 1.0)  # both start their first rollout at 1 s: no past phase to go by
+    s.handle(CallSubmitted(3, "b", "forward_backward"), 2.0)
+    s.handle(CallFinished(3), 3.0)  # b is between phases (it trains next): it does not hold w0 back
+    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 3.0) == [Dispatch(4, "r0")]
+    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 3.0) == []  # r0 is full
+    # a's first phase, 2.5 s in, is expected to last 2.5 s more: half of that does not pay for a
+    # move there and back (2 x 1 s); 5 s in, half of 5 s does.
+    assert s.handle(Tick(), 3.5) == []
+    assert s.handle(Tick(), 6.0) == [MoveWorker("w0", "rollout")]

@@ -8,9 +8,12 @@ trainer call queued or running, while turns wait for rollout workers or the roll
 batch ``LEND_LOAD`` turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if
 the move is expected to gain more than it costs: one worker more among ``n`` rollout workers
 saves at most ``1 / (n + 1)`` of the rollout time left (all of it divisible work; less when a
-straggler's chain sets it), where that time is the expected remainder of its jobs' rollout phase
-(a running mean of their past phases, from a ``sync_weights`` to the next ``forward_backward``);
-the saving must exceed ``margin`` times a move there and back (a rolling mean of the last three
+straggler's chain sets it), where that time is the least expected remainder of the rollout phases
+its jobs are in (a running mean of a job's past phases, from a ``sync_weights`` to the next
+``forward_backward``, less the time this one has run; in a job's first phase, the time it has run:
+a phase that has lasted t seconds is expected to last about t more, as heavy-tailed durations do).
+A job between phases (training, or about to roll out again) does not count: its trainer calls
+take the worker back when they come, and while they run it is not lent at all. The saving must exceed ``margin`` times a move there and back (a rolling mean of the last three
 measured moves, ``prior_move_s`` before any). So a home worker is lent to a small rollout pool
 often and to a large one only for long rollouts. A ``rollout`` worker holding
 a home moves back as soon as a trainer call of that home is submitted (training is on the
@@ -59,12 +62,13 @@ class Rebalancer:
         self._phase_s.pop(job_id, None)
         self._phase_start.pop(job_id, None)
 
-    def expected_rollout_left_s(self, job_id: str, now: float) -> float:
-        """How much longer the job is expected to stay out of training (0: unknown or training)."""
-        start, mean = self._phase_start.get(job_id), self._phase_s.get(job_id)
-        if start is None or mean is None:
-            return 0.0
-        return max(0.0, mean - (now - start))
+    def expected_rollout_left_s(self, job_id: str, now: float) -> float | None:
+        """How much longer the job is expected to stay out of training; None when it is not rolling out."""
+        start = self._phase_start.get(job_id)
+        if start is None:
+            return None
+        mean, ran = self._phase_s.get(job_id), now - start
+        return ran if mean is None else max(0.0, mean - ran)
 
     def plan(self, s: Scheduler, now: float) -> list[tuple[str, str]]:
         """(worker, role) moves to make now."""
@@ -76,8 +80,8 @@ class Rebalancer:
                 continue
             training = any(s.trainer_busy(j) for j in w.jobs)
             if w.role == "train" and waiting and not training:
-                left = min(self.expected_rollout_left_s(j, now) for j in w.jobs)
-                if left / (rollout + 1) > self.margin * 2 * self.move_s():
+                lefts = [left for j in w.jobs if (left := self.expected_rollout_left_s(j, now)) is not None]
+                if lefts and min(lefts) / (rollout + 1) > self.margin * 2 * self.move_s():
                     moves.append((w.worker_id, "rollout"))
                     rollout += 1
             elif w.role == "rollout" and training:
