@@ -54,10 +54,12 @@ sync_weights). Three modes, each on a fresh cluster, ``--repeats`` repetitions a
 
 Every sample is seeded by (repetition, job, step, trajectory, turn), so the modes do the same work;
 the table says whether every job sampled the same tokens in all modes (a digest). Reported per
-mode: trained samples per second (trajectories trained on over the span) and the mean time to a
-job's last step. The limit beside ``throughput_gain_real``: static's span over libra's if libra's
-rollout used both cores for all of static's rollout time (static's span minus half its rollout
-worker's busy time). It also prints its workload in (b)'s terms (each task's turn lengths as a
+mode: trained samples per second (trajectories trained on over the span), the mean time to a
+job's last step, and the cores busy (every process's core-seconds over the span, and of them the
+coordinator's and this script's, which share the two cores with the workers). Two limits beside
+``throughput_gain_real``: static's span over libra's if libra's rollout used both cores for all of
+static's rollout time (static's span minus half its rollout worker's busy time); and static's span
+over libra's core-seconds packed on both cores without a gap. It also prints its workload in (b)'s terms (each task's turn lengths as a
 lognormal, the spread of a per-trajectory hardness, turns a trajectory: ``plexrl.sim.workload``'s
 ``Lognormal.fit`` and ``hardness_sigma``) beside what (b) assumes.
 
@@ -96,6 +98,7 @@ from plexrl.sim.workload import critical_path_s, hardness_sigma, job_rngs, progr
 from plexrl.tasks import get_task
 
 ROLLOUT, TRAIN = 40, 8
+CORES = 2  # (a)'s machine: one core a worker, shared with the coordinator and this script
 
 
 # -- (a) real: two workers of one core each, the vLLM sampler ----------------------------------------
@@ -157,6 +160,8 @@ class RealRep:
     span_s: float
     rollout_busy_s: float  # the rollout worker's (worker 1's) busy seconds
     moves: int  # role moves
+    cpu_s: float  # core-seconds of every process: the workers, their engines, the coordinator, this script
+    workers_cpu_s: float  # of them, the workers' (and their engines')
 
     @property
     def samples_per_s(self) -> float:
@@ -177,16 +182,20 @@ async def real_mode(mode: str, args: Any) -> list[RealRep]:
         await asyncio.gather(*(real_job(i, 99, warm, conf["placement"], time.perf_counter()) for i in range(2)))
         for rep in range(args.repeats):
             before = {w.name: w for w in (await client.status()).workers}
+            cpu_before = [marlaas.cpu_seconds(os.getpid()), sum(marlaas.cpu_seconds(w.pid) for w in before.values())]
             t0 = time.perf_counter()
             jobs = list(await asyncio.gather(*(real_job(i, rep, args, conf["placement"], t0)
                                                for i in range(args.real_jobs))))  # fmt: skip
             span = time.perf_counter() - t0
             after = {w.name: w for w in (await client.status()).workers}
+            cpu = marlaas.cpu_seconds(os.getpid()) - cpu_before[0]
+            workers_cpu = sum(marlaas.cpu_seconds(w.pid) for w in after.values()) - cpu_before[1]
             busy = after["local-1"].busy_s - before["local-1"].busy_s
             moves = sum(after[n].role_moves - before[n].role_moves for n in after)
-            reps.append(RealRep(jobs, span, busy, moves))
+            reps.append(RealRep(jobs, span, busy, moves, cpu, workers_cpu))
             print(f"  {mode:9s} repetition {rep + 1}: {span:6.1f} s, {reps[-1].samples_per_s:5.2f} samples/s, "
-                  f"time to last step {reps[-1].to_last_step_s:5.1f} s, {moves} role moves", flush=True)  # fmt: skip
+                  f"time to last step {reps[-1].to_last_step_s:5.1f} s, {moves} role moves, {cpu / span:.2f} cores "
+                  f"busy ({(cpu - workers_cpu) / span:.2f} of them the coordinator's and the clients')", flush=True)  # fmt: skip
     return reps
 
 
@@ -208,12 +217,15 @@ def real_part(args: Any) -> tuple[list[float], list[float]]:
     gain = [b.samples_per_s / a.samples_per_s for a, b in zip(static, libra, strict=True)]
     speedup = [a.to_last_step_s / b.to_last_step_s for a, b in zip(static, libra, strict=True)]
     limit = [a.span_s / (a.span_s - a.rollout_busy_s / 2) for a in static]
+    packed = [a.span_s / (b.cpu_s / CORES) for a, b in zip(static, libra, strict=True)]
     over_colocated = [b.samples_per_s / c.samples_per_s for b, c in zip(libra, colocated, strict=True)]
-    print(f"  throughput gain over static {spread(gain)} (limit {spread(limit)}: static's rollout time halved)")
+    print(f"  throughput gain over static {spread(gain)} (limits: {spread(limit)} with static's rollout time halved; "
+          f"{spread(packed)} with libra's core-seconds, the coordinator's and the clients' included, packed on "
+          f"both cores)")  # fmt: skip
     print(f"  libra over colocated (each job on a worker of its own): {spread(over_colocated)}")
     (Path(args.out) / "libra_real.json").write_text(json.dumps({
         mode: [{"span_s": r.span_s, "samples_per_s": r.samples_per_s, "to_last_step_s": r.to_last_step_s,
-                "moves": r.moves, "rollout_busy_s": r.rollout_busy_s,
+                "moves": r.moves, "rollout_busy_s": r.rollout_busy_s, "cpu_s": r.cpu_s, "workers_cpu_s": r.workers_cpu_s,
                 "jobs": [{"name": j.name, "steps_done_s": j.steps_done_s, "rewards": j.rewards} for j in r.jobs]}
                for r in reps]
         for mode, reps in rows.items()
@@ -331,7 +343,7 @@ def main() -> None:
     parser.add_argument("--tp-groups", type=int, default=1, help="straggler bucket workers")
     parser.add_argument("--model", choices=sorted(QWEN3), default="8B")
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
-    parser.add_argument("--real-jobs", type=int, default=4, help="(a) jobs, alternating sum and the search agent")
+    parser.add_argument("--real-jobs", type=int, default=8, help="(a) jobs, alternating sum and the search agent")
     parser.add_argument("--real-steps", type=int, default=3, help="(a) GRPO steps per job")
     parser.add_argument("--prompts", type=int, default=16, help="(a) problems per step")
     parser.add_argument("--group", type=int, default=8, help="(a) trajectories per problem (a GRPO group)")
