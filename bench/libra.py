@@ -59,9 +59,10 @@ job's last step, and the cores busy (every process's core-seconds over the span,
 coordinator's and this script's, which share the two cores with the workers). Two limits beside
 ``throughput_gain_real``: static's span over libra's if libra's rollout used both cores for all of
 static's rollout time (static's span minus half its rollout worker's busy time); and static's span
-over libra's core-seconds packed on both cores without a gap. It also prints its workload in (b)'s terms (each task's turn lengths as a
-lognormal, the spread of a per-trajectory hardness, turns a trajectory: ``plexrl.sim.workload``'s
-``Lognormal.fit`` and ``hardness_sigma``) beside what (b) assumes.
+over libra's core-seconds packed on both cores without a gap. It also prints its workload in (b)'s
+terms (each task's turn lengths as a lognormal, the spread of a per-trajectory hardness, turns a
+trajectory: ``plexrl.sim.workload``'s ``Lognormal.fit`` and ``hardness_sigma``) beside what (b)
+assumes.
 
 Ends with ``throughput_gain_real=``, ``throughput_gain_sim=`` (means over repetitions, worst
 beside them) and ``convergence_speedup=`` (the real part's when it ran, else the simulated one's).
