@@ -274,7 +274,9 @@ def jobs(args: Any) -> list[JobModel]:
 
 
 def simulate(mode: str, args: Any, seed: int) -> SimResult:
-    train = [WorkerSpec("train", 0, 4)] * TRAIN
+    # A home lent to rollout decodes as wide a batch as a rollout worker: a real worker's slots do
+    # not depend on its role (only its trainer calls, two homes' at most here, run on a train worker).
+    train = [WorkerSpec("train", 0, args.wide)] * TRAIN
     if mode == "static":
         workers = [WorkerSpec("rollout", 0, args.wide)] * ROLLOUT + train
         scheduler = Scheduler("fifo", mlfq=Mlfq(levels=1))
