@@ -238,7 +238,7 @@ def calibration(reps: list[RealRep], args: Any) -> None:
     """The real part's workload in the simulated one's terms, to set beside what (b) assumes."""
     for kind in marlaas.KINDS:
         trajs = [t for r in reps for j in r.jobs if j.kind == kind for t in j.turn_lengths]
-        turns = Lognormal.fit(n for t in trajs for n in t if n > 0)
+        turns = Lognormal.fit(n for t in trajs for n in t)
         print(f"  workload, {kind}: turns of Lognormal({turns.median:.0f}, {turns.sigma:.2f}) tokens, hardness spread "
               f"{hardness_sigma(trajs):.2f}, {statistics.mean(len(t) for t in trajs):.1f} turns a trajectory (most "
               f"{max(len(t) for t in trajs)})")  # fmt: skip

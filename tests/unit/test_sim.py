@@ -215,3 +215,7 @@ def test_a_workloads_turn_lengths_and_hardness_are_recovered_from_its_trajectori
     assert fitted.median == pytest.approx(300.0, rel=0.1)
     assert hardness_sigma(lengths) == pytest.approx(0.8, rel=0.03)  # uncorrected for the turns: 0.85
     assert hardness_sigma([[n] for t in lengths for n in t]) == 0.0  # single turns say nothing of it
+    # A turn that sampled nothing has no log length: it is left out of both, not taken as -inf.
+    empty = [[*t, 0] for t in lengths]
+    assert Lognormal.fit(n for t in empty for n in t) == fitted
+    assert hardness_sigma(empty) == hardness_sigma(lengths)

@@ -45,16 +45,23 @@ class Lognormal:
 
     @classmethod
     def fit(cls, samples: Iterable[float]) -> Lognormal:
-        """The lognormal of ``samples`` (positive): the median and spread of their logarithms."""
-        logs = np.log(np.asarray(list(samples), dtype=np.float64))
+        """The lognormal of ``samples``: the median and spread of their logarithms (a sample of 0,
+        such as a turn that sampled nothing, has none and is left out)."""
+        logs = _logs(samples)
         return cls(float(np.exp(logs.mean())), float(logs.std()))
+
+
+def _logs(samples: Iterable[float]) -> np.ndarray:
+    """The logarithms of the positive ``samples``."""
+    values = np.asarray(list(samples), dtype=np.float64)
+    return np.log(values[values > 0])
 
 
 def hardness_sigma(turn_lengths: Iterable[Iterable[int]]) -> float:
     """The spread of a per-trajectory hardness (``JobModel.difficulty_sigma``) in trajectories'
     turn lengths: the variance of their mean log length beyond what their turns' own spread
-    explains (one-way random effects, trajectories of two or more turns)."""
-    logs = [np.log(np.asarray(list(t), dtype=np.float64)) for t in turn_lengths]
+    explains (one-way random effects, trajectories of two or more turns that sampled tokens)."""
+    logs = [_logs(t) for t in turn_lengths]
     logs = [t for t in logs if len(t) >= 2]
     if len(logs) < 2:
         return 0.0
