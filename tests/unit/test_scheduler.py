@@ -1261,3 +1261,21 @@ def test_the_rebalancer_lends_a_home_by_its_jobs_rollout_time_so_far_and_not_for
     # move there and back (2 x 1 s); 5 s in, half of 5 s does.
     assert s.handle(Tick(), 3.5) == []
     assert s.handle(Tick(), 6.0) == [MoveWorker("w0", "rollout")]
+
+
+def test_the_rebalancer_weighs_a_lent_home_by_its_devices_against_the_rollout_pools() -> None:
+    """One device more saves 1/9 of the rollout left beside an 8-device tensor-parallel rollout
+    worker, not the half it saves beside a one-device one: lent later, or not at all."""
+    s = Scheduler("fifo", rebalancer=Rebalancer(prior_move_s=1.0))
+    s.handle(WorkerJoined("w0", slots=2, role="train"), 0.0)
+    s.handle(WorkerJoined("r0", slots=1, role="rollout", devices=8), 0.0)
+    s.handle(JobOpened("a", pooled=True), 0.0)
+    s.handle(CallSubmitted(1, "a", "sync_weights"), 0.0)
+    s.handle(CallFinished(1), 1.0)
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0) == [Dispatch(2, "r0")]
+    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 1.0) == []  # r0 is full
+    # 5 s in, the first phase is expected to last 5 s more: 1/9 of it does not pay for a move there
+    # and back (2 x 1 s), as half of it would; 19.5 s in, 1/9 of 19.5 s does.
+    assert s.handle(Tick(), 6.0) == []
+    assert s.handle(Tick(), 18.0) == []
+    assert s.handle(Tick(), 20.5) == [MoveWorker("w0", "rollout")]

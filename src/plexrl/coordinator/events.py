@@ -30,6 +30,7 @@ class WorkerJoined:
     # Its generates need no job's state on the device: its sampler keeps its own copy of every
     # job's weights (vLLM's adapters), so only trainer-lane calls wait for a move in.
     stateless_generates: bool = False
+    devices: int = 1  # accelerators acting as one (a tensor-parallel sampler): what it adds to a stage's capacity
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,9 @@ A job's trainer state stays on its home (affinity), so training cannot spread ov
 workers; what moves is the home worker's spare time. A ``train`` worker whose homes have no
 trainer call queued or running, while turns wait for rollout workers or the rollout workers
 batch ``LEND_LOAD`` turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if
-the move is expected to gain more than it costs: one worker more among ``n`` rollout workers
-saves at most ``1 / (n + 1)`` of the rollout time left (all of it divisible work; less when a
+the move is expected to gain more than it costs: ``d`` devices more among ``n`` on rollout
+(a worker's ``devices``: a tensor-parallel one counts each) save at most ``d / (n + d)`` of the
+rollout time left (all of it divisible work; less when a
 straggler's chain sets it), where that time is the least expected remainder of the rollout phases
 its jobs are in (a running mean of a job's past phases, from a ``sync_weights`` to the next
 ``forward_backward``, less the time this one has run; in a job's first phase, the time it has run:
@@ -75,16 +76,16 @@ class Rebalancer:
         """(worker, role) moves to make now."""
         moves = []
         waiting = s.queued_turns() > 0 or s.rollout_load() >= LEND_LOAD
-        rollout = sum(1 for w in s.workers() if w.role == "rollout" and not w.moving_to)
+        rollout = sum(w.devices for w in s.workers() if w.role == "rollout" and not w.moving_to)
         for w in s.workers():
             if w.moving_to or not w.jobs:
                 continue
             training = any(s.trainer_busy(j) for j in w.jobs)
             if w.role == "train" and waiting and not training:
                 lefts = [left for j in w.jobs if (left := self.expected_rollout_left_s(j, now)) is not None]
-                if lefts and min(lefts) / (rollout + 1) > self.margin * 2 * self.move_s():
+                if lefts and min(lefts) * w.devices / (rollout + w.devices) > self.margin * 2 * self.move_s():
                     moves.append((w.worker_id, "rollout"))
-                    rollout += 1
+                    rollout += w.devices
             elif w.role == "rollout" and training:
                 moves.append((w.worker_id, "train"))
         return moves

@@ -94,6 +94,7 @@ class _Worker:
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
+    devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -290,10 +291,11 @@ class Scheduler:
                     if other not in touched and other in self._workers:
                         actions += self._dispatch(self._workers[other], now)
             case WorkerJoined(
-                worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index, stateless
+                worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index, stateless, devices
             ):
                 worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
                 worker.node, worker.index, worker.stateless_generates = node, index, stateless
+                worker.devices = max(1, devices)
                 worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
                 self._workers[worker_id] = worker
                 self._roles_changed(worker)

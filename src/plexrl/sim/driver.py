@@ -214,7 +214,8 @@ class Simulation:
             slots = spec.slots or self.slots
             node, index = divmod(i, self.node_devices)
             joined = ev.WorkerJoined(w, slots, memory_bytes=self.memory_bytes, swap_bytes_per_s=self.swap_bytes_per_s,
-                                     role=spec.role, bucket=spec.bucket, node=f"n{node}", index=index)  # fmt: skip
+                                     role=spec.role, bucket=spec.bucket, node=f"n{node}", index=index,
+                                     devices=spec.tp)  # fmt: skip
             self._handle(joined)
         self._left = len(self._jobs)
         for job_id, job in self._jobs.items():
