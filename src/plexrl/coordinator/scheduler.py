@@ -290,18 +290,16 @@ class Scheduler:
                 for other in self._other_workers(done) if done is not None else []:
                     if other not in touched and other in self._workers:
                         actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined(
-                worker_id, slots, memory_bytes, bytes_per_s, trainer_slots, role, bucket, node, index, stateless, devices
-            ):
-                worker = _Worker(worker_id, max(1, slots), memory_bytes, bytes_per_s, role=role, bucket=bucket)
-                worker.node, worker.index, worker.stateless_generates = node, index, stateless
-                worker.devices = max(1, devices)
-                worker.trainer_slots = trainer_slots if trainer_slots > 0 else worker.slots
-                self._workers[worker_id] = worker
+            case WorkerJoined() as joined:
+                worker = _Worker(joined.worker_id, max(1, joined.slots), joined.memory_bytes, joined.swap_bytes_per_s,
+                                 role=joined.role, bucket=joined.bucket, node=joined.node, index=joined.index,
+                                 stateless_generates=joined.stateless_generates, devices=max(1, joined.devices))  # fmt: skip
+                worker.trainer_slots = joined.trainer_slots if joined.trainer_slots > 0 else worker.slots
+                self._workers[worker.worker_id] = worker
                 self._roles_changed(worker)
                 actions += self._rehome_waiting(now)
                 # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
-                touched = sorted(self._workers) if role == "rollout" else [worker_id]
+                touched = sorted(self._workers) if worker.role == "rollout" else [worker.worker_id]
             case WorkerRole(worker_id, role, seconds):
                 moved = self._workers.get(worker_id)
                 if moved is not None and seconds > 0 and self.rebalancer is not None:
