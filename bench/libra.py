@@ -15,7 +15,8 @@ tool latencies and errors are drawn from (seed, job, step, trajectory), whatever
 so all modes do exactly the same work):
 
 - static-tpK, for each K of ``--static-tp`` (1, 2, 4, 8): the 40 rollout GPUs as 40/K workers of
-  K GPUs each (tensor parallel; batches of up to ``--wide`` sequences) and 8 training workers
+  K GPUs each (tensor parallel: a decode step takes 1/K of one GPU's time plus two all-reduces a
+  layer of ``--all-reduce-us`` each; batches of up to ``--wide`` sequences) and 8 training workers
   holding the jobs' homes; every turn goes to a rollout worker in arrival order (one level, one
   bucket; a trajectory's next turn stays on its last worker while that has room). static-tp1 is
   the issue's baseline; the strongest of them, seed by seed, is the one the gain is taken over;
@@ -99,7 +100,7 @@ from plexrl.coordinator.scheduler import Scheduler
 from plexrl.models import TINY_MODEL
 from plexrl.rollout import completion
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
-from plexrl.sim.costs import H200, QWEN3, pooled_agent_job, tp_comm_s
+from plexrl.sim.costs import ALL_REDUCE_S, H200, QWEN3, pooled_agent_job, tp_comm_s
 from plexrl.sim.driver import WorkerSpec
 from plexrl.sim.workload import critical_path_s, hardness_sigma, job_rngs, program
 from plexrl.tasks import get_task
@@ -288,7 +289,7 @@ def simulate(mode: str, args: Any, seed: int) -> SimResult:
     train = [WorkerSpec("train", 0, args.wide)] * TRAIN
 
     def rollout(tp: int, bucket: int, slots: int) -> WorkerSpec:
-        return WorkerSpec("rollout", bucket, slots, tp=tp, comm_s=tp_comm_s(llm, tp))
+        return WorkerSpec("rollout", bucket, slots, tp=tp, comm_s=tp_comm_s(llm, tp, args.all_reduce_us * 1e-6))
 
     if mode.startswith("static-tp"):  # the 40 rollout GPUs as tensor-parallel workers of this size
         tp = int(mode.removeprefix("static-tp"))
@@ -309,7 +310,7 @@ def chain_s(args: Any, seed: int) -> float:
     """When the last job would end if each ran its dependency chain alone (``critical_path_s``), its
     turns on a straggler group."""
     models = jobs(args)
-    comm = tp_comm_s(QWEN3[args.model], args.tp)
+    comm = tp_comm_s(QWEN3[args.model], args.tp, args.all_reduce_us * 1e-6)
     return max(m.arrival_s + critical_path_s(program(m, rng), args.tp, comm)
                for m, rng in zip(models, job_rngs(seed, len(models)), strict=True))  # fmt: skip
 
@@ -400,6 +401,12 @@ def main() -> None:
         help="the static baselines: their rollout workers' GPUs (tensor parallel), comma-separated",
     )
     parser.add_argument("--model", choices=sorted(QWEN3), default="8B")
+    parser.add_argument(
+        "--all-reduce-us",
+        type=float,
+        default=ALL_REDUCE_S * 1e6,
+        help="one all-reduce of a tensor-parallel decode step, microseconds (two a layer)",
+    )
     parser.add_argument("--move-s", type=float, default=10.0, help="what moving a worker between roles costs")
     parser.add_argument("--real-jobs", type=int, default=8, help="(a) jobs, alternating sum and the search agent")
     parser.add_argument("--real-steps", type=int, default=3, help="(a) GRPO steps per job")

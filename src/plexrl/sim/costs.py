@@ -186,9 +186,9 @@ def pooled_agent_job(
 ALL_REDUCE_S = 10e-6  # one small all-reduce over NVLink (decode activations): latency-bound
 
 
-def tp_comm_s(llm: Llm, tp: int) -> float:
+def tp_comm_s(llm: Llm, tp: int, all_reduce_s: float = ALL_REDUCE_S) -> float:
     """What tensor parallelism adds to a decode round: two all-reduces per layer (attention, MLP)."""
-    return 0.0 if tp <= 1 else 2 * llm.layers * ALL_REDUCE_S
+    return 0.0 if tp <= 1 else 2 * llm.layers * all_reduce_s
 
 
 # -- jobs on a worker group: an FSDP2 trainer and a tensor-parallel sampler over ``devices`` GPUs --
