@@ -60,14 +60,14 @@ sync_weights). Three modes, each on a fresh cluster, ``--repeats`` repetitions a
 repetition (the gain over each is printed too).
 
 Every sample is seeded by (repetition, job, step, trajectory, turn), so the modes do the same work;
-the table says whether every job sampled the same tokens in all modes (a digest). Reported per
-mode: trained samples per second (trajectories trained on over the span), the mean time to a
-job's last step, and the cores busy (every process's core-seconds over the span, and of them the
-coordinator's and this script's, which share the two cores with the workers). Two limits beside
-the gains: static's span over libra's if libra's rollout used both cores for all of static's
-rollout time (static's span minus half its rollout worker's busy time); and the stronger
-baseline's span over libra's core-seconds packed on both cores without a gap. It also prints its workload in (b)'s
-terms (each task's turn lengths as a lognormal, the spread of a per-trajectory hardness, turns a
+the table says whether every job sampled the same tokens in all modes (a digest). Reported per mode:
+trained samples per second (trajectories trained on over the span), the mean time to a job's last
+step, and the cores busy (every process's core-seconds over the span, and of them the coordinator's
+and this script's, which share the two cores with the workers). Two limits beside the gains:
+static's span over libra's if libra's rollout used both cores for all of static's rollout time
+(static's span minus half its rollout worker's busy time); and the stronger baseline's span over
+libra's core-seconds packed on both cores without a gap. It also prints its workload in (b)'s terms
+(each task's turn lengths as a lognormal, the spread of a per-trajectory hardness, turns a
 trajectory: ``plexrl.sim.workload``'s ``Lognormal.fit`` and ``hardness_sigma``) beside what (b)
 assumes.
 

@@ -2,25 +2,25 @@
 lend themselves to the rollout pool while their jobs are rolling out, and come back when a
 job of theirs has training to do.
 
-A job's trainer state stays on its home (affinity), so training cannot spread over more
-workers; what moves is the home worker's spare time. A ``train`` worker whose homes have no
-trainer call queued or running, while turns wait for rollout workers or the rollout workers
-batch ``LEND_LOAD`` turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if
-the move is expected to gain more than it costs: ``d`` devices more among ``n`` on rollout
-(a worker's ``devices``: a tensor-parallel one counts each) save at most ``d / (n + d)`` of the
-rollout time left (all of it divisible work; less when a
-straggler's chain sets it), where that time is the least expected remainder of the rollout phases
-its jobs are in (a running mean of a job's past phases, from a ``sync_weights`` to the next
-``forward_backward``, less the time this one has run; in a job's first phase, the time it has run:
-a phase that has lasted t seconds is expected to last about t more, as heavy-tailed durations do).
-A job between phases (training, or about to roll out again) does not count: its trainer calls
-take the worker back when they come, and while they run it is not lent at all. The saving must
-exceed ``margin`` times a move there and back (a rolling mean of the last three measured moves,
-``prior_move_s`` before any). So a home worker is lent to a small rollout pool often and to a
-large one only for long rollouts. A ``rollout`` worker holding a home moves back as soon as a
-trainer call of that home is submitted (training is on the critical path: the job's next rollout
-waits for it). Moving is non-blocking: the worker stops taking turns (or homes) at once, its
-running turns finish (paused while training taken back runs), its trainer calls run throughout.
+A job's trainer state stays on its home (affinity), so training cannot spread over more workers;
+what moves is the home worker's spare time. A ``train`` worker whose homes have no trainer call
+queued or running, while turns wait for rollout workers or the rollout workers batch ``LEND_LOAD``
+turns or more each (every turn in a batch slows its steps), moves to ``rollout`` if the move is
+expected to gain more than it costs: ``d`` devices more among ``n`` on rollout (a worker's
+``devices``: a tensor-parallel one counts each) save at most ``d / (n + d)`` of the rollout time
+left (all of it divisible work; less when a straggler's chain sets it), where that time is the least
+expected remainder of the rollout phases its jobs are in (a running mean of a job's past phases,
+from a ``sync_weights`` to the next ``forward_backward``, less the time this one has run; in a job's
+first phase, the time it has run: a phase that has lasted t seconds is expected to last about t
+more, as heavy-tailed durations do). A job between phases (training, or about to roll out again)
+does not count: its trainer calls take the worker back when they come, and while they run it is not
+lent at all. The saving must exceed ``margin`` times a move there and back (a rolling mean of the
+last three measured moves, ``prior_move_s`` before any). So a home worker is lent to a small rollout
+pool often and to a large one only for long rollouts. A ``rollout`` worker holding a home moves back
+as soon as a trainer call of that home is submitted (training is on the critical path: the job's
+next rollout waits for it). Moving is non-blocking: the worker stops taking turns (or homes) at
+once, its running turns finish (paused while training taken back runs), its trainer calls run
+throughout.
 """
 
 from __future__ import annotations
