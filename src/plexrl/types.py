@@ -79,7 +79,8 @@ class LossConfig(msgspec.Struct, frozen=True):
     clip_high: float = 0.2
     kl_coef: float = 0.0  # > 0 adds beta * KL(policy || base model), k3 estimator
     temperature: float = 1.0  # the sampling temperature the logprobs were taken at
-    # decoupled_ppo: the behaviour importance weight pi_prox / pi_sampler is truncated at this
+    # grpo and decoupled_ppo: the importance weight pi_old / pi_sampler (TIS: the sampler/trainer
+    # mismatch, or decoupled_ppo's staleness) is truncated at this
     is_cap: float = 5.0
 
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from plexrl.errors import (
@@ -45,6 +46,7 @@ from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, Samplin
 from plexrl.worker.engine import Engine
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer import job as trainer_job
+from plexrl.worker.trainer.forward import TrainerSettings, microbatches
 
 PROMPTS = [[1, 5, 6, 7], [1, 9]]
 STOPS = (5, 6, 7, 8, 9, 10, 11, 12)  # many stop tokens, so rows both stop and run to length
@@ -222,6 +224,48 @@ def test_sampler_logprobs_match_the_trainers_after_sync(
         np.testing.assert_allclose(sampled, trained, atol=1e-4)
 
 
+def grpo_batch_of(out: Generated) -> Batch:
+    samples = [
+        Sample(int(p), t, lp, "length", out.weight_version)
+        for p, t, lp in zip(out.prompt_index_B, out.tokens, out.logprobs, strict=True)
+    ]
+    advantages = np.linspace(-1.0, 1.0, len(samples)).astype(np.float32)
+    return Batch.from_samples(PROMPTS, samples, advantages)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_bf16_keeps_the_base_in_bf16_and_the_trained_weights_and_moments_in_fp32(tiny_model: Path, kind: str) -> None:
+    engine = Engine(trainer=TrainerSettings(dtype="bfloat16"))
+    engine.execute("j", Open(lora_spec(tiny_model) if kind == "lora" else full_spec(tiny_model)))
+    job = engine._jobs["j"]
+    frozen = [p for name, p in job.base.model.named_parameters() if "lora_" not in name]
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    train(engine, "j", steps=1)
+    trained = list(job.weights.trainer_params.values())
+    assert {p.dtype for p in trained} == {torch.float32}
+    moments = [t for p in trained for t in job.optimizer.state[p].values() if t.ndim > 0]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
+    out = generate(engine, "j", n=2, max_tokens=6)  # sampling works in bf16 too
+    assert np.all(np.isfinite(out.logprobs.values))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpo_ratio_is_exactly_one_at_the_first_update_and_against_the_sampler_after_a_step(
+    tiny_model: Path, dtype: str
+) -> None:
+    engine = Engine(trainer=TrainerSettings(dtype=dtype))
+    engine.execute("j", Open(lora_spec(tiny_model)))
+    train(engine, "j", steps=1)  # a nonzero adapter, published: the sampler serves the trainer's weights
+    batch = grpo_batch_of(generate(engine, "j", n=4, max_tokens=8))
+    first = run(engine, "j", ForwardBackward(batch, loss="grpo"), ForwardBackwardResult)
+    assert first.metrics["ratio_mean"] == 1.0 and first.metrics["recomputed_frac"] == 1.0
+    assert 0.0 <= first.metrics["logp_gap_max"] < 0.1
+    engine.execute("j", OptimStep())
+    # The trainer has stepped past the sampling weights: the ratio is against the sampler's logprobs.
+    second = run(engine, "j", ForwardBackward(batch, loss="grpo"), ForwardBackwardResult)
+    assert second.metrics["recomputed_frac"] == 0.0 and second.metrics["ratio_mean"] != 1.0
+
+
 def test_greedy_generation_is_deterministic(engine: Engine, tiny_model: Path) -> None:
     engine.execute("a", Open(lora_spec(tiny_model)))
     first = generate(engine, "a", n=2, max_tokens=10, temperature=0.0)
@@ -319,21 +363,26 @@ def test_two_half_batch_calls_step_like_one_full_batch_call(tiny_model: Path, tm
     assert_same_weights(weights[0], weights[1], atol=1e-6)
 
 
-def test_length_groups_cover_every_row_once_within_the_padding_bound() -> None:
+@pytest.mark.parametrize("max_tokens", [None, 2000, 480, 100])
+def test_microbatches_cover_every_row_once_within_the_padding_and_token_bounds(max_tokens: int | None) -> None:
     lengths = np.array([33, 477, 120, 53, 472, 71, 327, 33, 160, 464, 9])
-    groups = trainer_job.length_groups(lengths, waste=0.25)
-    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
-    for g in groups:
-        assert lengths[g].min() >= 0.75 * lengths[g].max()
-    assert len(groups) > 1  # a long-tailed batch is split
+    pieces = microbatches(lengths, max_tokens, waste=0.25)
+    assert sorted(np.concatenate(pieces).tolist()) == list(range(len(lengths)))
+    for p in pieces:
+        assert lengths[p].min() >= 0.75 * lengths[p].max()
+        assert max_tokens is None or len(p) == 1 or len(p) * lengths[p].max() <= max_tokens
+    assert len(pieces) > 1  # a long-tailed batch is split
+    if max_tokens == 100:  # rows longer than the budget go alone
+        assert all(len(p) == 1 for p in pieces if lengths[p].max() > 100)
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
-def test_length_groups_change_nothing_a_step_computes(
+def test_microbatches_and_chunked_logprobs_change_nothing_a_step_computes(
     tiny_model: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A long-tailed GRPO batch, trained padded as one group and in length groups: the same loss,
-    # metrics and weights (up to float rounding).
+    # A long-tailed GRPO batch trained in one piece with every position's logits at once, and in
+    # micro-batches of at most 48 tokens (a backward each) with checkpointed layers and logits
+    # 5 positions at a time: the same loss, metrics and weights (up to float rounding).
     rows = [[1, *range(3, 3 + n)] for n in (40, 3, 25, 6, 38, 4, 12)]
     rng = np.random.default_rng(0)
     batch = Batch(
@@ -344,11 +393,16 @@ def test_length_groups_change_nothing_a_step_computes(
     )
     spec = JobSpec(model=str(tiny_model), optimizer=AdamW(lr=1.0, eps=1.0, grad_clip=None))
     results, weights = [], []
-    for grouped in (True, False):
+    whole = TrainerSettings(max_tokens_per_microbatch=None, chunk_elements=None)
+    pieces = TrainerSettings(max_tokens_per_microbatch=48, chunk_elements=5 * 64)
+    for grouped, settings in ((False, whole), (True, pieces)):
         if not grouped:
-            monkeypatch.setattr(trainer_job, "length_groups", lambda lengths: [np.arange(len(lengths))])
-        engine = Engine()
-        engine.execute("j", Open(spec if kind == "lora" else msgspec.structs.replace(spec, lora=None)))
+            monkeypatch.setattr(trainer_job, "microbatches", lambda lengths, budget: [np.arange(len(lengths))])
+        else:
+            monkeypatch.undo()
+        engine = Engine(trainer=settings)
+        job_spec = msgspec.structs.replace(spec, gradient_checkpointing=grouped)
+        engine.execute("j", Open(job_spec if kind == "lora" else msgspec.structs.replace(job_spec, lora=None)))
         results.append(
             run(
                 engine,
@@ -388,10 +442,10 @@ def test_rows_of_zero_advantage_are_not_run_and_the_steps_are_as_if_they_were(
 
     batches = [batch([0.5, 0.0, -1.2, 0.0, 0.9, 0.0, -0.3]), batch([0.0] * len(rows))]
     forwarded: list[int] = []
-    forward = trainer_job._forward_logp
+    forward = trainer_job.target_logprobs
     monkeypatch.setattr(
         trainer_job,
-        "_forward_logp",
+        "target_logprobs",
         lambda model, tokens, *a: forwarded.append(len(tokens)) or forward(model, tokens, *a),
     )
     spec = JobSpec(model=str(tiny_model), optimizer=AdamW(lr=1.0, eps=1.0, grad_clip=None))

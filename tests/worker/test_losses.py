@@ -9,7 +9,7 @@ import torch
 
 from plexrl.errors import InvalidRequestError
 from plexrl.types import LossConfig
-from plexrl.worker.trainer.losses import check_loss_config, compute_loss, kl_k3, token_logprobs
+from plexrl.worker.trainer.losses import check_loss_config, combined, compute_loss, kl_k3, token_logprobs
 
 LN2 = math.log(2.0)
 
@@ -161,3 +161,57 @@ def test_decoupled_ppo_on_fresh_samples_is_grpo() -> None:
 def test_is_cap_below_one_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match=r"is_cap=0\.5 must be >= 1"):
         check_loss_config(LossConfig(is_cap=0.5))
+
+
+def test_grpo_on_recomputed_rows_takes_the_ratio_against_the_trainer_and_weighs_by_tis() -> None:
+    """Row 0 was sampled by the weights the trainer holds: its ratio is against the trainer's own
+    logprobs (exactly 1 before the update) and each token weighs min(pi_old / pi_sampler, cap):
+    2 and 10 -> 5. Row 1 was not: its ratio is against the sampler's, weight 1."""
+    logp = torch.tensor([[math.log(0.5), math.log(0.6)], [math.log(0.3), math.log(0.3)]], requires_grad=True)
+    sampler = torch.tensor([[math.log(0.25), math.log(0.06)], [math.log(0.3), math.log(0.3)]])
+    out = compute_loss(
+        "grpo",
+        logp,
+        torch.ones(2, 2, dtype=torch.bool),
+        LossConfig(is_cap=5.0),
+        sampler,
+        torch.tensor([1.5, -1.0]),
+        recomputed_B=torch.tensor([True, False]),
+    )
+    assert out.loss_sum.item() == pytest.approx(-(2 + 5) * 1.5 + 2 * 1.0)
+    assert out.metrics["ratio_mean"] == 1.0  # exactly: exp(logp - logp) and exp(sampler - sampler)
+    assert out.metrics["recomputed_frac"] == pytest.approx(0.5)
+    # The gap covers the recomputed row's tokens only: |ln 2| and |ln 10|.
+    assert out.metrics["logp_gap_mean"] == pytest.approx((LN2 + math.log(10)) / 2)
+    assert out.metrics["logp_gap_max"] == pytest.approx(math.log(10))
+    out.loss_sum.backward()
+    assert logp.grad is not None
+    assert logp.grad.tolist() == [pytest.approx([-2 * 1.5, -5 * 1.5]), pytest.approx([1.0, 1.0])]
+
+
+def test_grpo_without_recomputed_rows_is_plain_ppo_against_the_sampler() -> None:
+    logp = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    sampler = logps(math.log(0.25), math.log(0.4))
+    mask, adv = torch.tensor([[1, 1]]), torch.tensor([1.0])
+    out = compute_loss("grpo", logp, mask, LossConfig(clip_high=0.2), sampler, adv)
+    assert out.loss_sum.item() == pytest.approx(-(1.2 + 0.5))  # ratio 2 clipped to 1.2; ratio 0.5
+    assert out.metrics["is_weight_mean"] == 1.0
+    assert out.metrics["recomputed_frac"] == 0.0
+
+
+def test_combined_micro_batches_weigh_means_by_tokens_and_take_maxima() -> None:
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    config, adv = LossConfig(), torch.tensor([1.0])
+    first = compute_loss(
+        "grpo", logps(-1.0, -1.0), mask, config, logps(-1.5, -1.0), adv, recomputed_B=torch.tensor([True])
+    )
+    second = compute_loss(
+        "grpo", logps(-2.0), mask[:, :1], config, logps(-2.1), adv, recomputed_B=torch.tensor([False])
+    )
+    out = combined([first, second], idle_tokens=4)
+    assert out.num_tokens == 2 + 1 + 4
+    assert out.loss_sum.item() == pytest.approx(first.loss_sum.item() + second.loss_sum.item())
+    assert out.metrics["logp_mean"] == pytest.approx((-1 - 1 - 2) / 3)
+    assert out.metrics["recomputed_frac"] == pytest.approx(2 / 3)
+    assert out.metrics["logp_gap_mean"] == pytest.approx(0.25)  # over the two recomputed tokens only
+    assert out.metrics["logp_gap_max"] == pytest.approx(0.5)

@@ -229,6 +229,7 @@ async def job(
     weight: float = 1.0,
     placement: str = "colocated",
     max_staleness: int = 0,
+    gradient_checkpointing: bool | None = None,
     client: Client | None = None,
     reattach: bool = False,
 ) -> AsyncIterator[Job]:
@@ -243,6 +244,9 @@ async def job(
     for (Libra); ``"colocated"`` (default) keeps both on one worker. ``max_staleness=k``
     trains on samples of weights up to ``k`` versions old (0, the default: strictly on-policy);
     pair it with :class:`plexrl.rollout.StalenessGate` to bound what is in flight.
+    ``gradient_checkpointing`` recomputes the decoder layers' activations in the backward instead
+    of keeping them (less memory per trained token, about a third more compute); None, the default,
+    turns it on for models of 100M parameters or more.
     ``reattach=True`` first takes over this key's job ``name`` whose client went away (a restarted
     script; see ``Client.reattach``), and opens a new one only if there is none.
     """
@@ -252,7 +256,14 @@ async def job(
             "plexrl.job(...) needs a cluster: wrap it in `async with plexrl.local():` or plexrl.connect(...)"
         )
     model_path = os.path.abspath(model) if os.path.exists(model) else os.fspath(model)
-    spec = calls.JobSpec(model=model_path, lora=lora, optimizer=optimizer, seed=seed, max_staleness=max_staleness)
+    spec = calls.JobSpec(
+        model=model_path,
+        lora=lora,
+        optimizer=optimizer,
+        seed=seed,
+        max_staleness=max_staleness,
+        gradient_checkpointing=gradient_checkpointing,
+    )
     handle: Job | None = None
     if reattach:
         with contextlib.suppress(UnknownJobError):

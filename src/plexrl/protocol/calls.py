@@ -22,6 +22,9 @@ class JobSpec(msgspec.Struct, frozen=True):
     # Samples of weights at most this many versions older than the trainer's are trained on
     # (0 = strictly on-policy); older ones are refused with StaleSamplesError.
     max_staleness: int = 0
+    # Checkpoint the decoder layers in training (recompute their activations in the backward):
+    # None = the worker decides by the model's size (on from 100M parameters).
+    gradient_checkpointing: bool | None = None
 
 
 # -- calls ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ anything else propagates as-is and the server reports it as a failed call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from plexrl.worker.models import ModelCache
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer import checkpoint
+from plexrl.worker.trainer.forward import TrainerSettings
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Weights, WorkerJob, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
@@ -56,13 +58,20 @@ class Engine:
         sampler: str = "hf",
         vllm_config: VllmConfig | None = None,
         checkpoint_root: str | os.PathLike[str] | None = None,
+        trainer: TrainerSettings | None = None,
     ) -> None:
         if sampler not in ("hf", "vllm"):
             raise ValueError(f"sampler={sampler!r}: choose 'vllm' or 'hf'")
         self.device = torch.device(device)
         self.sampler = sampler
-        self.vllm_config = vllm_config or VllmConfig()
-        self._models = ModelCache(self.device)
+        self.trainer = trainer or TrainerSettings()
+        # One dtype for the worker: the trainer's frozen weights and forwards, the engine's weights
+        # and the adapters published to it.
+        self.vllm_config = dataclasses.replace(vllm_config or VllmConfig(), dtype=self.trainer.dtype)
+        if self.device.type == "cuda":  # float32 matmuls (the masters' optimizer math) may use TF32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self._models = ModelCache(self.device, self.trainer.torch_dtype)
         self._vllm: dict[str, VllmSampler] = {}  # one vLLM engine per base model path
         self._jobs: dict[str, WorkerJob] = {}
         self._mover = memory.Mover(self.device)
@@ -194,7 +203,7 @@ class Engine:
             if spec.lora is None
             else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
         )
-        job = WorkerJob(spec, base, weights, vllm=vllm, key=key, progress=self.progress)
+        job = WorkerJob(spec, base, weights, vllm=vllm, key=key, progress=self.progress, settings=self.trainer)
         if 0 < planned_state_bytes(job) <= call.snapshot_max_bytes:
             job.take_snapshots()
         self._jobs[job_id] = job

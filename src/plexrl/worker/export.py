@@ -31,9 +31,12 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def write_peft_adapter(path: Path, tensors: dict[str, Tensor], peft_config: Any) -> None:
-    """A PEFT adapter directory at ``path`` (which exists) from tensors in PEFT's saved layout."""
-    save_file({k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}, path / PEFT_WEIGHTS)
+def write_peft_adapter(
+    path: Path, tensors: dict[str, Tensor], peft_config: Any, dtype: torch.dtype = torch.float32
+) -> None:
+    """A PEFT adapter directory at ``path`` (which exists) from tensors in PEFT's saved layout,
+    stored in ``dtype``."""
+    save_file({k: t.detach().to("cpu", dtype).contiguous() for k, t in tensors.items()}, path / PEFT_WEIGHTS)
     peft_config.save_pretrained(str(path))
 
 

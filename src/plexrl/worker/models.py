@@ -1,7 +1,9 @@
-"""Base models on a worker: each loaded once per path (float32, frozen) and shared by its jobs.
+"""Base models on a worker: each loaded once per path (frozen, in the worker's compute dtype) and
+shared by its jobs.
 
 LoRA jobs wrap the shared base in place with one peft ``PeftModel`` (``BaseModel.adapters``);
-full fine-tune jobs take private copies built from the original tensors (``BaseModel.copy``).
+full fine-tune jobs take private copies built from its tensors (``BaseModel.copy``: float32 for
+a trainer's master weights, the compute dtype for a sampler's copy).
 Either way ``BaseModel.reference()`` is the untouched base, the reference for the KL term.
 """
 
@@ -31,6 +33,7 @@ class BaseModel:
     pad_token_id: int
     num_params: int
     linear_names: frozenset[str]  # what a LoRA may target: q_proj, v_proj, ... (not lm_head)
+    dtype: torch.dtype  # the compute dtype its frozen weights are stored in
     adapters: Any = field(default=None)  # the shared peft PeftModel while a LoRA job is open
 
     @property
@@ -41,15 +44,18 @@ class BaseModel:
     def max_positions(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
-    def copy(self) -> Any:
-        """A private model with the base's original weights (trainable, same device)."""
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.weights.values())).device
+
+    def copy(self, dtype: torch.dtype = torch.float32) -> Any:
+        """A private model with the base's weights in ``dtype`` (trainable, same device)."""
         from transformers import AutoModelForCausalLM
 
-        device = next(iter(self.weights.values())).device
-        model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(self.model.config, dtype=dtype)
         model.load_state_dict(self.weights, strict=True)
         model.generation_config = self.model.generation_config
-        return model.to(device)
+        return model.to(self.device)
 
     @contextmanager
     def reference(self) -> Iterator[nn.Module]:
@@ -84,20 +90,21 @@ class BaseModel:
 
 
 class ModelCache:
-    """Base models by path, loaded on first use and kept for the worker's life."""
+    """Base models by path, loaded on first use (in ``dtype``) and kept for the worker's life."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device
+        self.dtype = dtype
         self._models: dict[str, BaseModel] = {}
 
     def get(self, path: str) -> BaseModel:
         key = os.path.abspath(path)
         if key not in self._models:
-            self._models[key] = _load(path, self.device)
+            self._models[key] = _load(path, self.device, self.dtype)
         return self._models[key]
 
 
-def _load(path: str, device: torch.device) -> BaseModel:
+def _load(path: str, device: torch.device, dtype: torch.dtype) -> BaseModel:
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -109,7 +116,7 @@ def _load(path: str, device: torch.device) -> BaseModel:
             "on the worker's host; save one with save_pretrained or plexrl.models.write_random_model"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as e:
         raise ModelNotFoundError(f"cannot load a causal LM from {path!r}: {e}; check the directory") from e
     model.requires_grad_(False)
@@ -135,6 +142,7 @@ def _load(path: str, device: torch.device) -> BaseModel:
             for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and name != "lm_head"
         ),
+        dtype=dtype,
     )
 
 

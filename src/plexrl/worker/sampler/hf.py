@@ -1,9 +1,10 @@
 """The transformers sampler ("hf"): ``model.generate`` on left-padded prompts, with logprobs.
 
 For small setups and fast tests. Each reported logprob is ``log_softmax(raw_logits / T)`` at the
-sampled token (T = 1 when greedy), taken from the raw logits rather than the processed scores, so
-top-k, top-p and the EOS mask of ``min_tokens`` never change it and it is directly comparable with
-the trainer's logprobs.
+sampled token (T = 1 when greedy) of the raw logits rather than the processed scores, so top-k,
+top-p and the EOS mask of ``min_tokens`` never change it. ``generate`` keeps no step's logits:
+the completions' logprobs are computed afterwards in one forward over prompt and completion, the
+way the trainer computes them (chunked, ``forward.target_logprobs``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
 from plexrl.worker.models import seeded
-from plexrl.worker.trainer.losses import token_logprobs
+from plexrl.worker.trainer.forward import target_logprobs
 
 
 def generate(
@@ -30,6 +31,7 @@ def generate(
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
     weight_version: int,
+    chunk_elements: int | None = 1 << 25,
     tick: Callable[[], None] = lambda: None,
 ) -> Generated:
     """``params.n`` completions per prompt, in prompt-major order; prompts must be validated.
@@ -55,7 +57,6 @@ def generate(
         eos_token_id=sorted({*stop_token_ids, *params.stop_token_ids}) or None,
         pad_token_id=pad_token_id,
         return_dict_in_generate=True,
-        output_logits=True,
         **sampling,
     )
     model.eval()
@@ -66,12 +67,39 @@ def generate(
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([Ticking()]),
         )
-        new_B_N = out.sequences[:, input_ids_B_T.shape[1] :]
-        logp_B_N = token_logprobs(torch.stack(out.logits, dim=1), new_B_N, 1.0 if greedy else params.temperature)
+    new_B_N = out.sequences[:, input_ids_B_T.shape[1] :].cpu()
+    rows, finished = _trim(new_B_N, {*stop_token_ids, *params.stop_token_ids})
+    logps = _logprobs(model, prompts, rows, params.n // copies, 1.0 if greedy else params.temperature, chunk_elements)
     if copies > 1:
-        new_B_N = new_B_N.repeat_interleave(copies, dim=0)
-        logp_B_N = logp_B_N.repeat_interleave(copies, dim=0)
-    return _trim(new_B_N, logp_B_N, {*stop_token_ids, *params.stop_token_ids}, params.n, weight_version)
+        rows = [r for r in rows for _ in range(copies)]
+        logps = [lp for lp in logps for _ in range(copies)]
+        finished = [f for f in finished for _ in range(copies)]
+    return Generated(
+        tokens=Ragged.from_rows(rows, "int32"),
+        logprobs=Ragged.from_rows(logps, "float32"),
+        prompt_index_B=np.repeat(np.arange(len(prompts), dtype=np.int32), params.n),
+        finish_reasons=["stop" if f else "length" for f in finished],
+        weight_version=weight_version,
+    )
+
+
+def _logprobs(
+    model: Any, prompts: Ragged, rows: list[np.ndarray], n: int, temperature: float, chunk_elements: int | None
+) -> list[np.ndarray]:
+    """Each completion's logprobs (``n`` per prompt, prompt-major), from one no-grad forward over
+    every prompt + completion padded on the right."""
+    full = [np.concatenate([prompts[i // n], row]).astype(np.int64) for i, row in enumerate(rows)]
+    lens_B = np.array([len(f) for f in full])
+    device = next(model.parameters()).device
+    tokens_B_T = torch.zeros((len(full), int(lens_B.max())), dtype=torch.long)
+    select_B_T1 = torch.zeros((len(full), tokens_B_T.shape[1] - 1), dtype=torch.bool)
+    for i, (f, row) in enumerate(zip(full, rows, strict=True)):
+        tokens_B_T[i, : len(f)] = torch.from_numpy(f)
+        select_B_T1[i, len(f) - 1 - len(row) : len(f) - 1] = True
+    with torch.no_grad():
+        logp_B_T1 = target_logprobs(model, tokens_B_T.to(device), select_B_T1.to(device), temperature, chunk_elements)
+    logp_B_T1 = logp_B_T1.cpu()
+    return [logp_B_T1[i][select_B_T1[i]].numpy() for i in range(len(full))]
 
 
 def _pad_left(prompts: Ragged, pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -85,20 +113,11 @@ def _pad_left(prompts: Ragged, pad_token_id: int, device: torch.device) -> tuple
     return input_ids_B_T.to(device), attention_B_T.to(device)
 
 
-def _trim(new_B_N: Tensor, logp_B_N: Tensor, stop: set[int], n: int, weight_version: int) -> Generated:
-    """Cut each row after its first stop token (kept); rows without one ran to ``max_tokens``."""
-    new_B_N = new_B_N.cpu()
-    logp_B_N = logp_B_N.cpu()
+def _trim(new_B_N: Tensor, stop: set[int]) -> tuple[list[np.ndarray], list[bool]]:
+    """Each row cut after its first stop token (kept), and whether it had one (else it ran to
+    ``max_tokens``)."""
     is_stop_B_N = torch.isin(new_B_N, torch.tensor(sorted(stop), dtype=new_B_N.dtype))
     has_stop_B = is_stop_B_N.any(dim=1)
     first_stop_B = is_stop_B_N.int().argmax(dim=1)
     lens_B = torch.where(has_stop_B, first_stop_B + 1, torch.full_like(first_stop_B, new_B_N.shape[1]))
-    rows = [new_B_N[i, : int(k)].numpy() for i, k in enumerate(lens_B)]
-    logps = [logp_B_N[i, : int(k)].numpy() for i, k in enumerate(lens_B)]
-    return Generated(
-        tokens=Ragged.from_rows(rows, "int32"),
-        logprobs=Ragged.from_rows(logps, "float32"),
-        prompt_index_B=np.repeat(np.arange(len(rows) // n, dtype=np.int32), n),
-        finish_reasons=["stop" if s else "length" for s in has_stop_B.tolist()],
-        weight_version=weight_version,
-    )
+    return [new_B_N[i, : int(k)].numpy() for i, k in enumerate(lens_B)], has_stop_B.tolist()

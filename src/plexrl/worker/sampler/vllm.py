@@ -72,7 +72,7 @@ class VllmConfig:
     max_lora_rank: int = 8
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int | None = None  # sequences decoded at once; more requests wait (None = vLLM's default)
-    dtype: str = "float32"  # the trainer's dtype, so both score tokens alike; "bfloat16" for big models
+    dtype: str = "float32"  # the worker's compute dtype (its Engine sets it): the engine's weights and adapters
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE); on CUDA, gpu_memory_utilization
     gpu_memory_utilization: float = 0.5
     start_timeout_s: float = 600.0
@@ -318,7 +318,7 @@ class VllmSampler:
         """
         path = self._dir / f"{key}@v{version}-{next(self._requests)}"
         path.mkdir()
-        write_peft_adapter(path, tensors, peft_config)
+        write_peft_adapter(path, tensors, peft_config, getattr(torch, self.config.dtype))
         self._call(self._registry.publish(key, version, path), 120)
 
     def refit(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -337,7 +337,10 @@ class VllmSampler:
         path = self._dir / f"refit-{next(self._requests)}"
         path.mkdir()
         try:
-            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, path / "model.safetensors")
+            dtype = getattr(torch, self.config.dtype)
+            save_file(
+                {k: t.detach().to("cpu", dtype).contiguous() for k, t in tensors.items()}, path / "model.safetensors"
+            )
             for name in ("config.json", "generation_config.json"):
                 if (Path(self.model_path) / name).is_file():
                     shutil.copy(Path(self.model_path) / name, path / name)

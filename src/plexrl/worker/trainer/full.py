@@ -1,5 +1,6 @@
-"""Full fine-tune weights of one job: a private trainable copy of the base and (with the hf
-sampler) a sampler copy.
+"""Full fine-tune weights of one job: a private trainable copy of the base in float32 (the master
+weights the optimizer updates; forwards autocast to the compute dtype) and (with the hf sampler) a
+sampler copy in the compute dtype.
 
 The shared base stays frozen and untouched (it is the KL reference); ``sync_weights`` copies the
 trainer copy's parameters into the sampler copy, or refits the job's own vLLM engine (then there
@@ -20,7 +21,7 @@ class FullWeights:
 
     def __init__(self, base: BaseModel, sampler_copy: bool = True) -> None:
         self.trainer: Any = base.copy().requires_grad_(True)
-        self.sampler: Any = base.copy().requires_grad_(False).eval() if sampler_copy else None
+        self.sampler: Any = base.copy(base.dtype).requires_grad_(False).eval() if sampler_copy else None
         # named_parameters() lists tied weights (embeddings / lm_head) once, under one name.
         self.trainer_params: dict[str, nn.Parameter] = dict(self.trainer.named_parameters())
         self.sampler_params: dict[str, nn.Parameter] = (

@@ -9,9 +9,11 @@ and adds its token count to ``pending_tokens``; ``optim_step`` divides the gradi
 ``pending_tokens`` before clipping and stepping. So a step follows the token-level mean over all
 tokens accumulated since the last step, and two half-batch calls step exactly like one call.
 
-Padding: a ``forward_backward`` pads rows of similar length together (``length_groups``: at most
-a quarter of a padded row is padding) and backpropagates all groups at once, so an RL batch's
-long tail does not make every short row compute at the longest row's length.
+Memory: a ``forward_backward`` runs its rows in micro-batches (``forward.microbatches``: rows of
+similar length together, at most a quarter of a padded row is padding, at most the worker's
+``max_tokens_per_microbatch`` padded tokens each) with a backward per micro-batch, so what it
+holds is set by the worker's budget, not by the size of the call; see ``forward.py`` for
+precision, checkpointing and chunked logprobs.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from plexrl.worker.models import BaseModel
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
-from plexrl.worker.trainer.losses import LossOutput, check_loss_config, compute_loss, token_logprobs
+from plexrl.worker.trainer.forward import TrainerSettings, autocast, microbatches, set_checkpointing, target_logprobs
+from plexrl.worker.trainer.losses import LossOutput, check_loss_config, combined, compute_loss
 
 if TYPE_CHECKING:
     from plexrl.worker.sampler.vllm import VllmSampler
@@ -112,10 +115,17 @@ class WorkerJob:
         vllm: VllmSampler | None = None,
         key: str | None = None,
         progress: Progress | None = None,
+        settings: TrainerSettings | None = None,
     ) -> None:
         self.spec = spec
         self.base = base
         self.weights = weights
+        self.settings = settings or TrainerSettings()
+        self.checkpointing = (
+            base.num_params >= self.settings.checkpointing_min_params
+            if spec.gradient_checkpointing is None
+            else spec.gradient_checkpointing
+        )
         # Where this job samples if not with hf: a shared engine serving its adapter under ``key``,
         # or (a full fine-tune job, ``key`` None) an engine of its own, which it closes.
         self.vllm = vllm
@@ -179,23 +189,30 @@ class WorkerJob:
         return done
 
     def _generate_hf(self, prompts: Ragged, params: SamplingParams, seed: int) -> Generated:
-        return hf.generate(
-            self.weights.sampler_model(),
-            prompts,
-            params,
-            seed=seed,
-            stop_token_ids=self.base.stop_token_ids,
-            pad_token_id=self.base.pad_token_id,
-            weight_version=self.weight_version,
-            tick=self.progress.tick,
-        )
+        with self._autocast():
+            return hf.generate(
+                self.weights.sampler_model(),
+                prompts,
+                params,
+                seed=seed,
+                stop_token_ids=self.base.stop_token_ids,
+                pad_token_id=self.base.pad_token_id,
+                weight_version=self.weight_version,
+                chunk_elements=self.settings.chunk_elements,
+                tick=self.progress.tick,
+            )
 
     def logprobs(self, tokens: Ragged) -> LogprobsResult:
         self.base.check_tokens(tokens, "tokens", min_len=1)
         tokens_B_T, valid_B_T = self._pad_right(tokens)
-        self.progress.tick()
-        with torch.no_grad():
-            logp_B_T1 = _forward_logp(self.weights.trainer_model(train=False), tokens_B_T, 1.0)
+        logp_B_T1 = torch.zeros((len(tokens), tokens_B_T.shape[1] - 1), dtype=torch.float32, device=tokens_B_T.device)
+        model = self.weights.trainer_model(train=False)
+        for r, n in self._microbatches(tokens.lengths(), np.arange(len(tokens)), tokens_B_T.device):
+            self.progress.tick()
+            with torch.no_grad(), self._autocast():
+                logp_B_T1[r, : n - 1] = target_logprobs(
+                    model, tokens_B_T[r, :n], valid_B_T[r, 1:n], 1.0, self.settings.chunk_elements
+                )
         self.progress.tick()
         values = logp_B_T1[valid_B_T[:, 1:]].cpu().numpy().astype(np.float32)
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
@@ -244,43 +261,56 @@ class WorkerJob:
         live = ~_zero_loss_rows(loss, config, mask_B_T1, advantages_B, token_advantages_B_T1,
                                 forward_only or return_logprobs)  # fmt: skip
         idle_tokens = int(mask_B_T1[~live].sum())
-        # Rows of similar length together, each group padded to its own longest row (a long-tailed
-        # batch padded to its longest row computes mostly padding); one backward over all groups.
-        lengths = batch.tokens.lengths()
-        kept = np.flatnonzero(live.cpu().numpy())
-        groups = [(torch.from_numpy(kept[rows]).to(device), int(lengths[kept[rows]].max()))
-                  for rows in length_groups(lengths[kept])]  # fmt: skip
-        ref_logps: list[Tensor | None] = [None] * len(groups)
-        if loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0:
-            with self.base.reference() as reference, torch.no_grad():
-                ref_logps = [_forward_logp(reference, tokens_B_T[r, :n], config.temperature)
-                             for r, n in groups]  # fmt: skip
-        model = self.weights.trainer_model(train=True)
-        outs = []
+        recomputed_B = self._at_sampling_weights(batch, loss, device)
+        # Logits only where a loss is taken or a logprob asked for (a prompt's positions need none).
+        select_B_T1 = (mask_B_T1 | completion_B_T1) if return_logprobs else mask_B_T1
         logp_B_T1 = torch.zeros(mask_B_T1.shape, dtype=torch.float32, device=device) if return_logprobs else None
-        with torch.enable_grad() if not forward_only else torch.no_grad():
-            for (r, n), ref_logp in zip(groups, ref_logps, strict=True):
-                self.progress.tick()
-                logp = _forward_logp(model, tokens_B_T[r, :n], config.temperature)
-                if logp_B_T1 is not None:
-                    logp_B_T1[r, : n - 1] = logp.detach().float()
-                sampler_logp = None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1]
-                advantages = None if advantages_B is None else advantages_B[r]
-                if token_advantages_B_T1 is not None:
-                    advantages = token_advantages_B_T1[r, : n - 1]
-                weights = None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1]
-                mask = mask_B_T1[r, : n - 1]
-                outs.append(compute_loss(loss, logp, mask, config, sampler_logp, advantages, ref_logp, weights))
-        out = _combined(outs, idle_tokens)
-        if not torch.isfinite(out.loss_sum):
-            raise CallFailedError(
-                f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
-                "Check the batch's sampler_logprobs and advantages"
+        kl = loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0
+        chunk = self.settings.chunk_elements
+        outs: list[LossOutput] = []
+        for r, n in self._microbatches(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
+            self.progress.tick()
+            tokens, select = tokens_B_T[r, :n], select_B_T1[r, : n - 1]
+            ref_logp = None
+            if kl:
+                with self.base.reference() as reference, torch.no_grad(), self._autocast():
+                    ref_logp = target_logprobs(reference, tokens, select, config.temperature, chunk)
+            model = self.weights.trainer_model(train=True)
+            set_checkpointing(model, self.checkpointing and not forward_only)
+            with torch.enable_grad() if not forward_only else torch.no_grad(), self._autocast():
+                logp = target_logprobs(model, tokens, select, config.temperature, chunk)
+            if logp_B_T1 is not None:
+                logp_B_T1[r, : n - 1] = logp.detach()
+            advantages = None if advantages_B is None else advantages_B[r]
+            if token_advantages_B_T1 is not None:
+                advantages = token_advantages_B_T1[r, : n - 1]
+            out = compute_loss(
+                loss,
+                logp,
+                mask_B_T1[r, : n - 1],
+                config,
+                sampler_logp_B_T=None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1],
+                advantages_B=advantages,
+                ref_logp_B_T=ref_logp,
+                weights_B_T=None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1],
+                recomputed_B=None if recomputed_B is None else recomputed_B[r],
             )
-        if not forward_only:
-            if outs:
+            if not torch.isfinite(out.loss_sum):
+                if outs and not forward_only:  # earlier micro-batches' gradients are in: none may stay
+                    self._discard_gradients()
+                    kept = "this call's gradients and those accumulated before it were discarded (nothing was applied)"
+                else:
+                    kept = "gradients were not accumulated"
+                raise CallFailedError(
+                    f"{loss} loss is not finite ({out.loss_mean}); {kept}. "
+                    "Check the batch's sampler_logprobs and advantages"
+                )
+            if not forward_only:
                 out.loss_sum.backward()
-            else:  # every row's loss was zero: a zero gradient, as a backward through them would give
+            outs.append(out._replace(loss_sum=out.loss_sum.detach()))
+        out = combined(outs, idle_tokens)
+        if not forward_only:
+            if not outs:  # every row's loss was zero: a zero gradient, as a backward through them would give
                 for param in self.weights.trainer_params.values():
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
@@ -296,6 +326,22 @@ class WorkerJob:
             loss=out.loss_mean, num_tokens=out.num_tokens, metrics=metrics, loss_sum=float(out.loss_sum.detach()),
             logprobs=logprobs,
         )  # fmt: skip
+
+    def _at_sampling_weights(self, batch: Batch, loss: str, device: torch.device) -> Tensor | None:
+        """[B] bool for ``grpo``: the rows the trainer holds the sampling weights of (sampled by the
+        version it serves, and no optimizer step since that version was published), whose PPO ratio
+        is then taken against the trainer's own logprobs. None: no row (or no versions given)."""
+        if loss != "grpo" or batch.weight_versions_B is None or self._published_step != self.step:
+            return None
+        return torch.from_numpy(batch.weight_versions_B == self.weight_version).to(device)
+
+    def _microbatches(self, lengths: np.ndarray, rows: np.ndarray, device: torch.device) -> list[tuple[Tensor, int]]:
+        """``rows`` (of rows of ``lengths``) in micro-batches: each its row indices and padded length."""
+        pieces = microbatches(lengths[rows], self.settings.max_tokens_per_microbatch)
+        return [(torch.from_numpy(rows[p]).to(device), int(lengths[rows[p]].max())) for p in pieces]
+
+    def _autocast(self) -> Any:
+        return autocast(self.base.device, self.base.dtype)
 
     def _check_staleness(self, batch: Batch) -> dict[str, float] | None:
         """Refuse samples older than ``max_staleness`` versions (0: only the current weights'), and
@@ -548,33 +594,6 @@ class WorkerJob:
         return tokens_B_T.to(device), valid_B_T.to(device)
 
 
-def length_groups(lengths: np.ndarray, waste: float = 0.25) -> list[np.ndarray]:
-    """Row indices in groups to pad together, longest rows first: a row joins the group of the
-    longer rows before it while padding it to their longest costs at most ``waste`` of that
-    length (so at least ``1 - waste`` of every padded row is real tokens)."""
-    groups: list[list[int]] = []
-    top = 0
-    for i in np.argsort(-lengths, kind="stable"):
-        if not groups or lengths[i] < (1 - waste) * top:
-            groups.append([])
-            top = int(lengths[i])
-        groups[-1].append(int(i))
-    return [np.array(g, dtype=np.int64) for g in groups]
-
-
-def _combined(outs: list[LossOutput], idle_tokens: int = 0) -> LossOutput:
-    """One ``LossOutput`` of several row groups' (their sums added, their token means weighted),
-    counting ``idle_tokens`` more tokens whose loss is zero (left out of the metrics' means)."""
-    if not outs:
-        return LossOutput(torch.zeros(()), idle_tokens, {})
-    num_tokens = sum(o.num_tokens for o in outs)
-    metrics = outs[0].metrics
-    if len(outs) > 1:
-        metrics = {k: sum(o.metrics[k] * o.num_tokens for o in outs) / max(num_tokens, 1) for k in metrics}
-    loss_sum = sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum)
-    return LossOutput(loss_sum, num_tokens + idle_tokens, metrics)
-
-
 def _zero_loss_rows(
     loss: str,
     config: LossConfig,
@@ -594,15 +613,6 @@ def _zero_loss_rows(
     if advantages_B is not None:
         return advantages_B == 0
     return none
-
-
-def _forward_logp(model: nn.Module, tokens_B_T: Tensor, temperature: float) -> Tensor:
-    """Logprobs of ``tokens_B_T[:, 1:]`` given their prefixes. The rows are padded on the right, so
-    under the causal mask no real token sees padding: no attention mask and no position ids are
-    needed, and attention takes the causal kernel, which skips the masked half (a masked forward-
-    backward of 16 search rows of 180-330 tokens: 0.51 s against 0.47 s, the same logprobs)."""
-    logits_B_T_V = model(input_ids=tokens_B_T, use_cache=False).logits
-    return token_logprobs(logits_B_T_V[:, :-1], tokens_B_T[:, 1:], temperature)
 
 
 def _optimizer_settings(o: AdamW) -> dict[str, Any]:

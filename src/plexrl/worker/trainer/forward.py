@@ -1,0 +1,142 @@
+"""The trainer's forward pass under a memory budget: precision, checkpointing, chunked logprobs.
+
+Memory per trained token is bounded by settings, never by the size of a call:
+
+- **precision**: the frozen base weights are stored in the compute dtype (bf16 on GPUs); the
+  trained weights (LoRA adapters, a full copy) and AdamW's moments stay in float32 masters, and
+  the forward runs under autocast to the compute dtype (verl's FSDP ``MixedPrecision``,
+  OpenRLHF's ``--bf16``). Logprobs and losses are reduced in float32.
+- **gradient checkpointing**: each decoder layer keeps only its input for the backward, which
+  recomputes the rest (transformers' own, non-reentrant).
+- **chunked logprobs**: logits exist only at the positions whose logprobs are wanted, a chunk of
+  positions at a time (``chunk_elements`` logits each); under autograd each chunk is itself
+  checkpointed, so no ``[B, T, V]`` tensor (151,936 columns for Qwen3) is ever alive.
+- **micro-batches** (``microbatches``): a call's rows are cut into pieces of at most
+  ``max_tokens`` padded tokens, each forwarded and backpropagated before the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from plexrl.worker.trainer.losses import token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """A worker's trainer settings (``plexrl worker --dtype ... --max-tokens-per-microbatch ...``)."""
+
+    dtype: str = "float32"  # the compute dtype: base weights stored in it, forwards autocast to it
+    # Padded tokens one forward/backward holds at most (a row longer than this goes alone); None: a
+    # call's rows in one piece (only for measuring the unbounded path, bench/memory.py).
+    max_tokens_per_microbatch: int | None = 8192
+    # Logits computed at once, in elements (positions x vocabulary); None: every position's logits
+    # in one tensor (the unbounded path, for bench/memory.py).
+    chunk_elements: int | None = 1 << 25
+    # Jobs whose base model has at least this many parameters checkpoint their decoder layers
+    # unless they say otherwise (``plexrl.job(..., gradient_checkpointing=...)``).
+    checkpointing_min_params: int = 100_000_000
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be >= 1")
+        if self.chunk_elements is not None and self.chunk_elements < 1:
+            raise ValueError(f"chunk_elements={self.chunk_elements} must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """Compute in ``dtype`` inside (float32: nothing to do)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Turn the decoder layers' gradient checkpointing on or off (a no-op if already so); the base
+    model is shared by a worker's LoRA jobs, so this is set before each job's forward."""
+    causal = _causal_lm(model)
+    if bool(getattr(causal, "is_gradient_checkpointing", False)) == on:
+        return
+    if on:
+        causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        causal.gradient_checkpointing_disable()
+
+
+def target_logprobs(
+    model: nn.Module,
+    tokens_B_T: Tensor,
+    select_B_T1: Tensor,
+    temperature: float,
+    chunk_elements: int | None,
+) -> Tensor:
+    """Float32 logprobs of the targets ``tokens_B_T[:, 1:]`` where ``select_B_T1`` is true, laid
+    out as ``select_B_T1`` (zeros elsewhere), ``chunk_elements`` logits at a time (None: every
+    position's at once). Rows are padded on the right, so under the causal mask no real token
+    sees padding: no attention mask or position ids are needed."""
+    causal = _causal_lm(model)
+    if chunk_elements is None:  # the unbounded path: every position's logits at once
+        logits_B_T1_V = causal(input_ids=tokens_B_T, use_cache=False).logits[:, :-1]
+        logp_B_T1 = token_logprobs(logits_B_T1_V, tokens_B_T[:, 1:], temperature)
+        return torch.where(select_B_T1, logp_B_T1, torch.zeros_like(logp_B_T1))
+    hidden_B_T_H = causal.get_decoder()(input_ids=tokens_B_T, use_cache=False).last_hidden_state
+    hidden_N_H = hidden_B_T_H[:, :-1][select_B_T1]
+    targets_N = tokens_B_T[:, 1:][select_B_T1]
+    head = causal.get_output_embeddings()
+    vocab = int(head.weight.shape[0])
+    n = int(targets_N.shape[0])
+    chunk = max(1, chunk_elements // vocab)
+    pieces = []
+    for i in range(0, n, chunk):
+        h, t = hidden_N_H[i : i + chunk], targets_N[i : i + chunk]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_head_logprobs, head, h, t, temperature, use_reentrant=False))
+        else:
+            pieces.append(_head_logprobs(head, h, t, temperature))
+    logp_B_T1 = torch.zeros(select_B_T1.shape, dtype=torch.float32, device=tokens_B_T.device)
+    if pieces:
+        logp_B_T1 = logp_B_T1.masked_scatter(select_B_T1, torch.cat(pieces))
+    return logp_B_T1
+
+
+def _head_logprobs(head: nn.Module, hidden_N_H: Tensor, targets_N: Tensor, temperature: float) -> Tensor:
+    return token_logprobs(head(hidden_N_H), targets_N, temperature)
+
+
+def microbatches(lengths: np.ndarray, max_tokens: int | None, waste: float = 0.25) -> list[np.ndarray]:
+    """Row indices in micro-batches, longest rows first: rows of similar length together (padding
+    a row to its micro-batch's longest costs at most ``waste`` of that length, so a long-tailed
+    batch does not compute mostly padding), and at most ``max_tokens`` padded tokens each (a row
+    longer than that goes alone)."""
+    pieces: list[list[int]] = []
+    top = 0
+    for i in np.argsort(-lengths, kind="stable"):
+        length = int(lengths[i])
+        full = max_tokens is not None and pieces and (len(pieces[-1]) + 1) * top > max_tokens
+        if not pieces or length < (1 - waste) * top or full:
+            pieces.append([])
+            top = length
+        pieces[-1].append(int(i))
+    return [np.array(p, dtype=np.int64) for p in pieces]
+
+
+def _causal_lm(model: nn.Module) -> Any:
+    """The transformers causal LM inside ``model`` (a peft ``PeftModel`` wraps one; its LoRA
+    layers are injected into it in place)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
