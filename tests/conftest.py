@@ -17,3 +17,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from plexrl.models import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_shaped_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-1.7B's vocabulary, head size, tied embeddings and special tokens on 2 small layers
+    (random bf16 weights): what the bf16 path is tested on."""
+    from plexrl.models import QWEN3_SHAPED_CONFIG, write_random_model
+
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "qwen3-shaped", seed=0, shape=QWEN3_SHAPED_CONFIG, dtype="bfloat16"
+    )

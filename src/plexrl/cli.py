@@ -172,7 +172,34 @@ def _parser() -> argparse.ArgumentParser:
         help="where jobs' checkpoints go: save/load paths are relative to ROOT/<tenant> "
         "(default $XDG_DATA_HOME/plexrl/checkpoints, i.e. ~/.local/share/plexrl/checkpoints)",
     )
-    _memory_budget(p, default=8 << 30)
+    _memory_budget(p, default=None)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="the compute dtype of the trainer's frozen weights and forwards, of vLLM and of published adapters "
+        "(trained weights and AdamW stay float32); auto: bfloat16 on a GPU, float32 on CPU",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.3,
+        help="vllm on CUDA: the share of the GPU each engine reserves (its weights, LoRA slots and KV): one per "
+        "base model's LoRA jobs, one per full fine-tune job; the memory plan counts it",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=8192,
+        help="vllm: the longest prompt + completion (capped at the model's context); longer prompts are refused",
+    )
+    p.add_argument(
+        "--max-tokens-per-microbatch",
+        type=_positive_int,
+        default=8192,
+        help="the trainer's padded tokens per forward/backward: a call's rows are cut into micro-batches of at "
+        "most this many (a longer row goes alone), which bounds its activation memory",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--cpus",
@@ -323,6 +350,22 @@ def _policy(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return int(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number in (0, 1], e.g. 0.3") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number in (0, 1], e.g. 0.3")
+    return value
+
+
 def _level(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: a bucket is a trajectory level, an integer >= 0")
@@ -347,7 +390,8 @@ def _memory_budget(p: argparse.ArgumentParser, default: int | None) -> None:
         "--memory-budget",
         type=parse_bytes,
         default=default,
-        help="device memory jobs' state may use, e.g. 80GiB, 512MiB, 2e6 (declared on CPU; default 8GiB)",
+        help="at most this much device memory for jobs' state, e.g. 40GiB, 512MiB, 2e6 (default: what the memory "
+        "plan leaves of the device once base models, engines and activation headroom are counted)",
     )
 
 
@@ -464,6 +508,10 @@ def _worker(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         role=args.role,
         bucket=args.bucket,
         credentials=_load_credentials(args),

@@ -151,6 +151,12 @@ class NoWorkersError(PlexError):
     code = "no_workers"
 
 
+class JobTooLargeError(NoWorkersError):
+    """No worker's device can hold the job even alone, by the memory plan; the message names the numbers."""
+
+    code = "job_too_large"
+
+
 class CallFailedError(PlexError, RuntimeError):
     """The engine raised while executing the call; the job and the worker are still usable."""
 

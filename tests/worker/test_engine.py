@@ -224,15 +224,6 @@ def test_sampler_logprobs_match_the_trainers_after_sync(
         np.testing.assert_allclose(sampled, trained, atol=1e-4)
 
 
-def grpo_batch_of(out: Generated) -> Batch:
-    samples = [
-        Sample(int(p), t, lp, "length", out.weight_version)
-        for p, t, lp in zip(out.prompt_index_B, out.tokens, out.logprobs, strict=True)
-    ]
-    advantages = np.linspace(-1.0, 1.0, len(samples)).astype(np.float32)
-    return Batch.from_samples(PROMPTS, samples, advantages)
-
-
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_bf16_keeps_the_base_in_bf16_and_the_trained_weights_and_moments_in_fp32(tiny_model: Path, kind: str) -> None:
     engine = Engine(trainer=TrainerSettings(dtype="bfloat16"))
@@ -256,7 +247,7 @@ def test_grpo_ratio_is_exactly_one_at_the_first_update_and_against_the_sampler_a
     engine = Engine(trainer=TrainerSettings(dtype=dtype))
     engine.execute("j", Open(lora_spec(tiny_model)))
     train(engine, "j", steps=1)  # a nonzero adapter, published: the sampler serves the trainer's weights
-    batch = grpo_batch_of(generate(engine, "j", n=4, max_tokens=8))
+    batch = grpo_batch(engine, "j")
     first = run(engine, "j", ForwardBackward(batch, loss="grpo"), ForwardBackwardResult)
     assert first.metrics["ratio_mean"] == 1.0 and first.metrics["recomputed_frac"] == 1.0
     assert 0.0 <= first.metrics["logp_gap_max"] < 0.1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from test_engine import (  # the engine tests' helpers (pytest puts tests/worker on sys.path)
@@ -18,9 +19,12 @@ from test_engine import (  # the engine tests' helpers (pytest puts tests/worker
 )
 
 from plexrl.errors import InvalidRequestError, UnknownJobError
-from plexrl.protocol.calls import Close, ForwardBackward, Open, Opened, OptimStep, SyncWeights
+from plexrl.plan import JobShape, ModelShape, footprint
+from plexrl.protocol.calls import Close, ForwardBackward, JobSpec, Open, Opened, OptimStep, SyncWeights
+from plexrl.types import LoRA
 from plexrl.worker.engine import Engine
 from plexrl.worker.memory import DEVICE, HOST, planned_state_bytes, state_refs
+from plexrl.worker.trainer.forward import TrainerSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,6 +106,37 @@ def test_opened_reports_the_planned_state_size_and_close_works_from_the_host_sto
     engine.move("a", HOST)
     engine.execute("a", Close())
     assert engine.job_ids() == []
+
+
+@pytest.mark.parametrize("sampler_copy", [True, False], ids=["hf", "vllm"])
+@pytest.mark.parametrize("lora", [LoRA(rank=4, target_modules=("q_proj", "v_proj")), None], ids=["lora", "full"])
+def test_the_plan_sizes_a_job_from_its_config_as_the_worker_measures_it(
+    tiny_model: Path, lora: LoRA | None, sampler_copy: bool
+) -> None:
+    engine = Engine()
+    opened = engine.execute("a", Open(JobSpec(model=str(tiny_model), lora=lora)))
+    assert isinstance(opened, Opened)
+    job = engine._jobs["a"]
+    model = ModelShape.read(tiny_model)
+    assert model is not None and model.params == job.base.num_params
+    shape = JobShape(model) if lora is None else JobShape(model, lora.rank, lora.target_modules)
+    assert shape.trained_params == opened.trainable_params
+    # With vLLM sampling there is no sampler copy on the worker: its plan has no hf sampler.
+    plan = msgspec.structs.replace(engine.plan(), sampler="hf" if sampler_copy else "vllm")
+    measured = planned_state_bytes(job) - (0 if sampler_copy else sum(
+        p.numel() * p.element_size() for p in job.weights.sampler_params.values()
+    ))  # fmt: skip
+    assert footprint(plan, shape).state == measured
+
+
+def test_the_qwen3_shaped_model_has_the_parameters_its_plan_counts(qwen3_shaped_model: Path) -> None:
+    engine = Engine(trainer=TrainerSettings(dtype="bfloat16"))
+    opened = engine.execute("a", Open(JobSpec(model=str(qwen3_shaped_model), lora=LoRA(rank=8))))
+    assert isinstance(opened, Opened)
+    model = ModelShape.read(qwen3_shaped_model)
+    assert model is not None and model.params == engine._jobs["a"].base.num_params
+    assert model.vocab == 151936 and model.head_dim == 128 and model.tied and model.qk_norm
+    assert JobShape(model, 8).trained_params == opened.trainable_params
 
 
 def test_moves_of_unknown_jobs_or_to_unknown_tiers_are_rejected(tiny_model: Path) -> None:

@@ -40,6 +40,7 @@ from plexrl.errors import (
     UnknownJobError,
     from_wire,
 )
+from plexrl.plan import JobShape, ModelShape
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
@@ -285,7 +286,9 @@ class Client:
     async def open_job(
         self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
     ) -> tuple[str, calls.Opened]:
-        request = m.OpenJob(name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex())
+        request = m.OpenJob(
+            name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex(), shape=job_shape(spec)
+        )
         done: m.CallDone = await self.request(request, expect(m.CallDone), self.deadlines.get("open_job"))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
@@ -534,3 +537,14 @@ def connect(
         address, name=name, connect_timeout_s=connect_timeout_s, credentials=credentials, deadlines=deadlines,
         reconnect_s=reconnect_s,
     )  # fmt: skip
+
+
+def job_shape(spec: calls.JobSpec) -> JobShape | None:
+    """What the job trains, for the coordinator's memory plan; None if the model's config.json is not
+    readable here (the model lives only on the workers' hosts: the job is then sized by its open)."""
+    model = ModelShape.read(spec.model)
+    if model is None:
+        return None
+    if spec.lora is None:
+        return JobShape(model, checkpointing=spec.gradient_checkpointing)
+    return JobShape(model, spec.lora.rank, spec.lora.target_modules, spec.gradient_checkpointing)

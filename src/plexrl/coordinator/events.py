@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from plexrl.errors import PlexError
+from plexrl.plan import JobShape, WorkerPlan
 
 # -- events (server -> scheduler) --------------------------------------------------------------
 
@@ -20,7 +21,7 @@ ROLES = ("both", "rollout", "train")  # what a worker serves: homes and their ge
 class WorkerJoined:
     worker_id: str
     slots: int = 1  # calls the worker may run at once
-    memory_bytes: float = math.inf  # device memory for jobs' state
+    memory_bytes: float = math.inf  # device memory jobs' state may use at most (--memory-budget)
     swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
     trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
     role: str = "both"  # "rollout": pooled jobs' turns only, no job's home (Libra); "train": homes only
@@ -31,6 +32,9 @@ class WorkerJoined:
     # job's weights (vLLM's adapters), so only trainer-lane calls wait for a move in.
     stateless_generates: bool = False
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler): what it adds to a stage's capacity
+    # Its device and settings: the memory plan (plexrl/plan.py) then counts base models, engines and
+    # activation headroom against its capacity. None: only ``memory_bytes`` bounds jobs' state.
+    plan: WorkerPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,9 @@ class JobOpened:
     disaggregated: bool = False  # its generates run on a sampler worker other than its home
     pooled: bool = False  # its generates run on the rollout workers, each turn in its level's bucket
     devices: int = 1  # a worker group of this many (1, 2, 4, 8): ``state_bytes`` is then each member's shard
+    # What it trains, sized before it is placed: a worker with a plan gets the plan's footprint
+    # (``state_bytes`` from it, and the base and engines it holds there). None: sized by its open.
+    shape: JobShape | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,7 @@ class Plex(Policy):
         room = [
             w
             for w in fitting
-            if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.memory_bytes
+            if loads[w.worker_id] + NEW_JOB_LOAD <= PACK_LOAD + 1e-9 and w.used_bytes + state_bytes <= w.budget
         ]
         if not room:
             # A full pool: its load is shared anyway, so its base decides (a base alone on a

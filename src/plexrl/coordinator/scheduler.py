@@ -62,7 +62,8 @@ from plexrl.coordinator.events import (
 from plexrl.coordinator.policies import POLICIES, Policy
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import Residency
-from plexrl.errors import JobClosedError, NoWorkersError, PlexError, WorkerLostError
+from plexrl.errors import JobClosedError, JobTooLargeError, NoWorkersError, PlexError, WorkerLostError
+from plexrl.plan import JobShape, WorkerPlan, footprint, free_bytes, gib, refusal
 
 # -- state -------------------------------------------------------------------------------------
 
@@ -95,6 +96,19 @@ class _Worker:
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
+    plan: WorkerPlan | None = None  # its device and settings (None: only memory_bytes bounds jobs' state)
+    # What its device holds beside jobs' movable state, by the plan: "base:PATH" (a base model's
+    # weights, shared engine and activation headroom, while a job of it lives here) and "job:ID"
+    # (a full fine-tune job's own engine).
+    fixed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def budget(self) -> float:
+        """Device memory jobs' movable state may use now: the plan's room less what is fixed, at
+        most ``memory_bytes``."""
+        if self.plan is None:
+            return self.memory_bytes
+        return min(self.memory_bytes, free_bytes(self.plan) - sum(self.fixed.values()))
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -126,6 +140,7 @@ class _ScheduledJob:
     pooled: bool = False  # its generates run on the rollout workers (while any is registered)
     devices: int = 1  # a group job's size: ``state`` is then each member's shard
     members: tuple[str, ...] = ()  # a group job's workers, ``home`` first; () for a one-device job
+    shape: JobShape | None = None  # what it trains, for the memory plan (None: unsized until it opens)
 
     def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[str]:
         """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
@@ -252,6 +267,10 @@ class Scheduler:
     def used_bytes(self, worker_id: str) -> int:
         return self._workers[worker_id].used_bytes
 
+    def budget(self, worker_id: str) -> float:
+        """The device memory jobs' state may use on the worker now (the plan's room, at most its budget)."""
+        return self._workers[worker_id].budget
+
     def bytes_per_s(self, worker_id: str) -> float:
         """The worker's host<->device bandwidth as measured so far (the transfer cost model)."""
         return self._workers[worker_id].bytes_per_s
@@ -293,7 +312,8 @@ class Scheduler:
             case WorkerJoined() as joined:
                 worker = _Worker(joined.worker_id, max(1, joined.slots), joined.memory_bytes, joined.swap_bytes_per_s,
                                  role=joined.role, bucket=joined.bucket, node=joined.node, index=joined.index,
-                                 stateless_generates=joined.stateless_generates, devices=max(1, joined.devices))  # fmt: skip
+                                 stateless_generates=joined.stateless_generates, devices=max(1, joined.devices),
+                                 plan=joined.plan)  # fmt: skip
                 worker.trainer_slots = joined.trainer_slots if joined.trainer_slots > 0 else worker.slots
                 self._workers[worker.worker_id] = worker
                 self._roles_changed(worker)
@@ -314,8 +334,8 @@ class Scheduler:
                 actions += self._lose_worker(worker_id, reason, now)
             case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled, devices) if devices != 1:
                 actions += self._place_group(job_id, state_bytes, weight, base, devices, disaggregated or pooled, now)
-            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled):
-                actions += self._place(job_id, state_bytes, weight, base, disaggregated, now)
+            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled, _, shape):
+                actions += self._place(job_id, state_bytes, weight, base, disaggregated, now, shape)
                 if pooled and job_id in self._jobs:
                     self._jobs[job_id].pooled = True
                     self._pooled.add(job_id)
@@ -349,7 +369,7 @@ class Scheduler:
                     self._workers[job.sampler].samplers.discard(job_id)
                 if job and job.home in self._workers:
                     worker = self._workers[job.home]
-                    worker.jobs.discard(job_id)
+                    self._unhome(worker, job)
                     if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
                         worker.used_bytes -= job.state.state_bytes
                     touched = [job.home]
@@ -387,41 +407,49 @@ class Scheduler:
         return actions
 
     def _place(
-        self, job_id: str, state_bytes: int, weight: float, base: str, disaggregated: bool, now: float
+        self,
+        job_id: str,
+        state_bytes: int,
+        weight: float,
+        base: str,
+        disaggregated: bool,
+        now: float,
+        shape: JobShape | None = None,
     ) -> list[Action]:
         if not self._homes() and not disaggregated:
             # None registered yet (the coordinator just started, or restarted and its workers are
             # registering again; or only rollout workers): it waits for one like a job whose worker was lost.
             job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0,
-                                base=base)  # fmt: skip
+                                base=base, shape=shape)  # fmt: skip
             self._jobs[job_id] = job
             self.ledger.job_opened(job_id, now)
             why = f"job {job_id} opened with no worker registered (start one with `plexrl worker --coordinator ADDR`)"
             self._homeless[job_id] = (now, why)
             return [Place(job_id, "")]
-        chosen = self._choose(state_bytes, base, disaggregated, now)
+        job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0,
+                            base=base, shape=shape)  # fmt: skip
+        chosen = self._choose(job, disaggregated, now)
         if isinstance(chosen, NoWorkersError):
             return [Fail(job_id, None, chosen)]
         worker = chosen
-        worker.jobs.add(job_id)
+        self._home(worker, job)
         # A new job's state starts on the device if it fits there, else in host memory.
-        fits = worker.used_bytes + state_bytes <= worker.memory_bytes
-        state = Residency(state_bytes, rs.DEVICE if fits else rs.HOST)
+        fits = worker.used_bytes + job.state.state_bytes <= worker.budget
+        job.state.tier = rs.DEVICE if fits else rs.HOST
         sampler = worker
         if disaggregated:
             chosen_sampler = self.policy.sampler([w for w in self._homes() if w is not worker])
             assert chosen_sampler is not None, "place() leaves a second worker for a disaggregated job"
             sampler = chosen_sampler
             sampler.samplers.add(job_id)
-        job = _ScheduledJob(job_id, worker.worker_id, state, weight=weight if weight > 0 else 1.0, base=base)
         job.sampler = sampler.worker_id
         self._jobs[job_id] = job
         if fits:
-            worker.used_bytes += state_bytes
+            worker.used_bytes += job.state.state_bytes
         self.ledger.job_opened(job_id, now)
         return [Place(job_id, worker.worker_id, sampler.worker_id if disaggregated else "")]
 
-    def _choose(self, state_bytes: int, base: str, disaggregated: bool, now: float) -> _Worker | NoWorkersError:
+    def _choose(self, job: _ScheduledJob, disaggregated: bool, now: float) -> _Worker | NoWorkersError:
         """The home worker for a job (new, or one whose home was lost), or why there is none."""
         homes = self._homes()
         if not homes:
@@ -434,11 +462,70 @@ class Scheduler:
                 "a disaggregated job needs two workers (trainer and sampler): start another worker, "
                 "or open the job colocated"
             )
-        fitting = [w for w in homes if state_bytes <= w.memory_bytes]
+        fitting = [w for w in homes if self._room_alone(w, job) >= self._state_bytes(w, job)]
         if not fitting:
-            most = max(w.memory_bytes for w in homes)
-            return NoWorkersError(f"job state of {state_bytes} bytes fits no worker (largest budget {most:.0f} bytes)")
-        return self.policy.place(self, fitting, state_bytes, base, disaggregated, now)
+            return self._too_large(job, homes)
+        return self.policy.place(self, fitting, job.state.state_bytes, job.base, disaggregated, now)
+
+    def _state_bytes(self, worker: _Worker, job: _ScheduledJob) -> int:
+        """The job's movable state on ``worker``: the plan's, or as sized so far."""
+        if worker.plan is None or job.shape is None:
+            return job.state.state_bytes
+        return footprint(worker.plan, job.shape).state
+
+    def _adds(self, worker: _Worker, job: _ScheduledJob) -> dict[str, int]:
+        """What homing ``job`` on ``worker`` fixes on its device beyond its movable state (the plan's)."""
+        if worker.plan is None or job.shape is None:
+            return {}
+        fp = footprint(worker.plan, job.shape)
+        adds = {f"job:{job.job_id}": fp.pinned} if fp.pinned else {}
+        if f"base:{job.base}" not in worker.fixed:
+            adds[f"base:{job.base}"] = fp.base
+        return adds
+
+    def _room_alone(self, worker: _Worker, job: _ScheduledJob) -> float:
+        """The room ``job``'s movable state would have on ``worker`` with every other job's moved out."""
+        if worker.plan is None:
+            return worker.memory_bytes
+        fixed = sum(worker.fixed.values()) + sum(self._adds(worker, job).values())
+        return min(worker.memory_bytes, free_bytes(worker.plan) - fixed)
+
+    def _home(self, worker: _Worker, job: _ScheduledJob) -> None:
+        """Make ``worker`` the job's home: what it fixes there is counted, its state sized by the plan."""
+        worker.jobs.add(job.job_id)
+        job.home = worker.worker_id
+        worker.fixed.update(self._adds(worker, job))
+        if worker.plan is not None and job.shape is not None:
+            job.state.state_bytes = footprint(worker.plan, job.shape).state
+
+    def _unhome(self, worker: _Worker, job: _ScheduledJob) -> None:
+        """The job leaves ``worker``: what it fixed there is released (its base with its last job)."""
+        worker.jobs.discard(job.job_id)
+        worker.fixed.pop(f"job:{job.job_id}", None)
+        if not any(self._jobs[j].base == job.base for j in worker.jobs if j in self._jobs):
+            worker.fixed.pop(f"base:{job.base}", None)
+
+    def _too_large(self, job: _ScheduledJob, homes: list[_Worker]) -> NoWorkersError:
+        """Why no worker can hold ``job``, with the plan's numbers."""
+        planned = [w for w in homes if w.plan is not None]
+        if job.shape is None or not planned:
+            most = max(w.budget for w in homes)
+            size = job.state.state_bytes
+            return NoWorkersError(f"job state of {size} bytes fits no worker (largest budget {most:.0f} bytes)")
+        best = max(planned, key=lambda w: self._room_alone(w, job))
+        assert best.plan is not None
+        why = refusal(best.plan, job.shape, footprint(best.plan, job.shape))
+        if why is None:  # it fits an empty worker: what else holds the best one's device
+            others = ", ".join(f"{k} {gib(v)}" for k, v in best.fixed.items())
+            why = (
+                f"it needs {gib(self._state_bytes(best, job))} for its state beside {others or 'nothing'}, "
+                f"and the budget is {gib(best.memory_bytes)}"
+            )
+        return JobTooLargeError(
+            f"job {job.job_id} fits no worker: on {best.worker_id} ({best.plan.device_type}, "
+            f"{gib(best.plan.capacity_bytes)}, {best.plan.dtype}) {why}. Use a smaller model or LoRA rank, "
+            "a smaller --max-tokens-per-microbatch, or a worker with more memory"
+        )
 
     def _resize(self, job_id: str, state_bytes: int) -> str | None:
         job = self._jobs.get(job_id)
@@ -710,12 +797,12 @@ class Scheduler:
         """Place a job that lost its worker, if a worker can take it now."""
         if job.devices > 1:
             return self._rehome_group(job, now)
-        chosen = self._choose(job.state.state_bytes, job.base, False, now)
+        chosen = self._choose(job, False, now)
         if isinstance(chosen, NoWorkersError):
             return []
         del self._homeless[job.job_id]
-        job.home = job.sampler = chosen.worker_id
-        chosen.jobs.add(job.job_id)
+        self._home(chosen, job)
+        job.sampler = chosen.worker_id
         kinds = {self._calls[c].kind for c in job.unfinished}
         return [Recover(job.job_id, chosen.worker_id, restore=not kinds & MAKES_STATE)]
 
@@ -752,7 +839,7 @@ class Scheduler:
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
         """Start what ``worker`` can start, and move state in or out for what cannot start yet."""
         actions: list[Action] = []
-        if worker.used_bytes > worker.memory_bytes and worker.moving is None:  # a job outgrew the budget
+        if worker.used_bytes > worker.budget and worker.moving is None:  # a job outgrew the budget (or a base came)
             victim = self._victim(worker, None, now)
             if victim is not None:
                 actions += self._evict(worker, victim)
@@ -787,7 +874,7 @@ class Scheduler:
             if job.rebuilding and first.kind != "restore":
                 continue  # its state exists nowhere until the restore (submitted next) makes it
             needs_state = self.needs_state(job, first.lane, worker)
-            room = worker.used_bytes + job.state.state_bytes <= worker.memory_bytes
+            room = worker.used_bytes + job.state.state_bytes <= worker.budget
             if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
                 # Its state does not exist yet: the open makes it on the device, so it needs room
                 # there, not a transfer (a move in would reach a worker that has nothing to move).
@@ -926,7 +1013,7 @@ class Scheduler:
         chosen = self._choose_group(state_bytes, devices)
         if isinstance(chosen, NoWorkersError):
             return [Fail(job_id, None, chosen)]
-        fits = all(w.used_bytes + state_bytes <= w.memory_bytes for w in chosen)
+        fits = all(w.used_bytes + state_bytes <= w.budget for w in chosen)
         job.state.tier = rs.DEVICE if fits else rs.HOST
         self._seat(job, chosen)
         self._jobs[job_id] = job
@@ -935,9 +1022,7 @@ class Scheduler:
 
     def _choose_group(self, state_bytes: int, devices: int) -> list[_Worker] | NoWorkersError:
         """The least loaded aligned block whose members' budgets hold a shard (``dedicated``: a free one)."""
-        blocks = [
-            b for b in groups.aligned_blocks(self._homes(), devices) if all(state_bytes <= w.memory_bytes for w in b)
-        ]
+        blocks = [b for b in groups.aligned_blocks(self._homes(), devices) if all(state_bytes <= w.budget for w in b)]
         if self.policy.name == "dedicated":
             blocks = [b for b in blocks if not any(w.jobs or w.samplers for w in b)]
         if not blocks:
@@ -972,7 +1057,7 @@ class Scheduler:
         first, size = startable[0], job.state.state_bytes
         if job.rebuilding and first.kind != "restore":
             return []
-        room = all(w.used_bytes + size <= w.memory_bytes for w in members)
+        room = all(w.used_bytes + size <= w.budget for w in members)
         if first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
             job.state.tier = rs.DEVICE  # the open (or restore) makes each shard on its member
             for w in members:
@@ -990,7 +1075,7 @@ class Scheduler:
             return self._move_group(job, rs.DEVICE)
         actions: list[Action] = []
         for w in members:  # make room on each member that lacks it
-            if w.moving is None and w.used_bytes + size > w.memory_bytes:
+            if w.moving is None and w.used_bytes + size > w.budget:
                 victim = self._victim(w, job, now)
                 if victim is not None:
                     actions += self._evict(w, victim)

@@ -513,8 +513,8 @@ class Coordinator:
             m.Registered(rid=msg.rid, worker_id=worker_id, heartbeat_interval_s=interval, heartbeat_liveness=liveness),
         )
         joined = ev.WorkerJoined(
-            worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes, trainer_slots=msg.trainer_slots,
-            role=msg.role, bucket=msg.bucket, stateless_generates=msg.stateless_generates,
+            worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes or math.inf, trainer_slots=msg.trainer_slots,
+            role=msg.role, bucket=msg.bucket, stateless_generates=msg.stateless_generates, plan=msg.plan,
         )  # fmt: skip
         self._apply(joined)
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:
@@ -542,7 +542,7 @@ class Coordinator:
         # Its state's size is known once the worker opened it (JobSized).
         pooled = msg.placement == "pooled"
         opened = ev.JobOpened(
-            job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated, pooled=pooled
+            job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated, pooled=pooled, shape=msg.shape
         )
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, ev.Place):
@@ -1105,7 +1105,7 @@ class Coordinator:
                 name=w.info.name,
                 device=w.info.device,
                 engines=w.info.engines,
-                memory_budget_bytes=w.info.memory_budget_bytes,
+                memory_budget_bytes=_bytes(self._scheduler.budget(w.worker_id)),
                 jobs=sorted(j.job_id if visible(j) else "" for j in self._jobs.values() if j.worker_id == w.worker_id),
                 calls_done=w.calls_done,
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
@@ -1151,6 +1151,11 @@ class Coordinator:
 
     def _owner_name(self, tenant: str) -> str:
         return tenant if self._allowlist is None else self._allowlist.name(tenant)
+
+
+def _bytes(n: float) -> int:
+    """A byte count for the wire (an unbounded budget as 0: none)."""
+    return 0 if math.isinf(n) else max(0, int(n))
 
 
 def _redacted(j: _JobRecord) -> m.JobInfo:

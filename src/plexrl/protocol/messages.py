@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from plexrl.plan import JobShape, WorkerPlan
 from plexrl.protocol.calls import Call, JobSpec, Opened, Result
 from plexrl.trace import Span
 
@@ -86,6 +87,9 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
     # The client's random name for this opening: after a coordinator restart it finds the job
     # (if the opening finished before the crash) with ``Reattach(token=)``, else opens it again.
     token: str = ""
+    # What it trains, read from the model's config.json where the client can (``plexrl/plan.py``):
+    # the coordinator places it by the memory plan, and refuses it if it fits no worker.
+    shape: JobShape | None = None
 
 
 class TurnOf(msgspec.Struct, frozen=True):
@@ -227,6 +231,7 @@ class Register(Envelope, tag="register", frozen=True):
     role: str = "both"  # "rollout": pooled jobs' turns only; "train": jobs' homes only (coordinator/events.ROLES)
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM)
+    plan: WorkerPlan | None = None  # its device's capacity and the settings the memory plan needs
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

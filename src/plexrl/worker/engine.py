@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from plexrl.errors import InvalidRequestError, UnknownJobError
+from plexrl.plan import WorkerPlan
 from plexrl.protocol.calls import (
     Call,
     Close,
@@ -79,6 +80,24 @@ class Engine:
         # Save / load paths: relative to root/<tenant> (a worker's); None: taken as given (in-process use).
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._tenants: dict[str, str] = {}
+
+    def plan(self) -> WorkerPlan:
+        """This worker's device and the settings the memory plan needs (sent when it registers)."""
+        vllm, trainer = self.vllm_config, self.trainer
+        return WorkerPlan(
+            capacity_bytes=memory.device_capacity(self.device),
+            device_type=self.device.type,
+            dtype=trainer.dtype,
+            sampler=self.sampler,
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            cpu_kv_cache_bytes=vllm.kv_cache_gib << 30,
+            max_model_len=vllm.max_model_len or 1 << 30,
+            max_loras=vllm.max_loras,
+            max_lora_rank=vllm.max_lora_rank,
+            max_tokens_per_microbatch=trainer.max_tokens_per_microbatch or 1 << 30,
+            chunk_elements=trainer.chunk_elements or 1 << 40,
+            checkpointing_min_params=trainer.checkpointing_min_params,
+        )
 
     def job_ids(self) -> list[str]:
         return list(self._jobs)

@@ -15,6 +15,7 @@ but the copies and frees are the same real work.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,14 @@ def state_refs(job: WorkerJob) -> dict[str, _Ref]:
             if isinstance(value, Tensor) and value.ndim > 0:  # AdamW's scalar step counter stays
                 refs[f"optim/{name}/{key}"] = _entry_ref(state, key)
     return refs
+
+
+def device_capacity(device: torch.device) -> int:
+    """The device's memory in bytes: a GPU's total, or on CPU the machine's RAM (where the trainer,
+    the engine and the host store all live)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def planned_state_bytes(job: WorkerJob) -> int:

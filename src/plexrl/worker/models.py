@@ -66,8 +66,11 @@ class BaseModel:
             with self.adapters.disable_adapter():
                 yield self.adapters.eval()
 
-    def check_tokens(self, tokens: Ragged, what: str, min_len: int, extra_positions: int = 0) -> None:
-        """Raise ``BatchShapeError`` unless every row is a valid sequence of this model's token ids."""
+    def check_tokens(
+        self, tokens: Ragged, what: str, min_len: int, extra_positions: int = 0, engine_max_len: int | None = None
+    ) -> None:
+        """Raise ``BatchShapeError`` unless every row is a valid sequence of this model's token ids
+        (and, with ``engine_max_len``, no longer than the vLLM engine that samples it takes)."""
         tokens.check(what)
         if not np.issubdtype(tokens.values.dtype, np.integer):
             raise BatchShapeError(f"{what}: token ids must be integers, got dtype {tokens.values.dtype}")
@@ -80,6 +83,12 @@ class BaseModel:
             raise BatchShapeError(
                 f"{what}: a row of {lens.max()} tokens{' plus max_tokens' if extra_positions else ''} "
                 f"exceeds the model's max_position_embeddings={self.max_positions}; shorten it"
+            )
+        if engine_max_len is not None and lens.max() + extra_positions > engine_max_len:
+            raise BatchShapeError(
+                f"{what}: a row of {lens.max()} tokens{' plus max_tokens' if extra_positions else ''} "
+                f"exceeds the sampler's max_model_len={engine_max_len}; shorten it, lower max_tokens, "
+                "or start the worker with a larger --max-model-len"
             )
         values = tokens.values
         if len(values) and (values.min() < 0 or values.max() >= self.vocab_size):

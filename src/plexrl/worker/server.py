@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from plexrl.errors import CallAbortedError, CallFailedError, PlexError
+from plexrl.plan import WorkerPlan
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec
@@ -72,6 +73,10 @@ class CallEngine(Protocol):
         """Move the job's state to ``to`` (``device`` or ``host``); runs on the worker's move thread."""
         ...
 
+    def plan(self) -> WorkerPlan:
+        """Its device's capacity and the settings the coordinator's memory plan needs."""
+        ...
+
     def close(self) -> None:
         """Free everything (engine processes included); the engine is not used again."""
         ...
@@ -94,13 +99,17 @@ class WorkerConfig:
     coordinator: str
     device: str = "cpu"
     name: str = ""
-    memory_budget_bytes: int = 8 << 30
+    memory_budget_bytes: int | None = None  # a cap on jobs' state on the device (None: what the plan leaves)
     register_timeout_s: float = 60.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sampler: str = "hf"  # "vllm" | "hf"
     max_lora_rank: int = 8  # vLLM only: the largest LoRA rank its jobs may use
     max_loras: int = 32  # vLLM only: adapters one batch may mix
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
+    dtype: str = "auto"  # the compute dtype (auto: bfloat16 on a GPU, float32 on CPU)
+    gpu_memory_utilization: float = 0.3  # vLLM on CUDA: each engine's reservation, a share of the GPU
+    max_model_len: int = 8192  # vLLM only: the longest prompt + completion (capped at the model's context)
+    max_tokens_per_microbatch: int = 8192  # the trainer's padded tokens per forward/backward
     credentials: auth.Credentials | None = None  # a worker key (CurveZMQ); None: an unauthenticated coordinator
     checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
     role: str = "both"  # "rollout" | "train" | "both" (the coordinator's events.ROLES)
@@ -158,17 +167,25 @@ class Worker:
             return self._make_engine()
         from plexrl.worker.engine import Engine
         from plexrl.worker.sampler.vllm import VllmConfig
+        from plexrl.worker.trainer.forward import TrainerSettings, worker_dtype
 
         vllm = VllmConfig(
             max_loras=self.config.max_loras,
             max_lora_rank=self.config.max_lora_rank,
             max_num_seqs=self.config.max_num_seqs,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            max_model_len=self.config.max_model_len,
+        )
+        trainer = TrainerSettings(
+            dtype=worker_dtype(self.config.dtype, self.config.device),
+            max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
         )
         return Engine(
             device=self.config.device,
             sampler=self.config.sampler,
             vllm_config=vllm,
             checkpoint_root=self.config.checkpoint_root,
+            trainer=trainer,
         )
 
     def serve(self) -> None:
@@ -205,7 +222,7 @@ class Worker:
             self.config.credentials.apply(sock)
         sock.connect(self.config.coordinator)
         try:
-            reg = self._register(sock)
+            reg = self._register(sock, engine.plan())
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
             beat = _Heartbeat(ctx, self.config, ident, reg, engine.progress)
             beat.start()
@@ -216,19 +233,20 @@ class Worker:
         finally:
             sock.close(linger=0)
 
-    def _register(self, sock: zmq.Socket[bytes]) -> m.Registered:
+    def _register(self, sock: zmq.Socket[bytes], plan: WorkerPlan) -> m.Registered:
         msg = m.Register(
             rid=1,
             name=self.config.name or f"{os.uname().nodename}:{os.getpid()}",
             device=self.config.device,
             engines=[self.config.sampler],
-            memory_budget_bytes=self.config.memory_budget_bytes,
+            memory_budget_bytes=self.config.memory_budget_bytes or 0,
             pid=os.getpid(),
             slots=VLLM_SLOTS if self.config.sampler == "vllm" else 1,
             trainer_slots=1,  # every call but a vLLM generate runs on the main thread, one at a time
             role=self.config.role,
             bucket=self.config.bucket,
             stateless_generates=self.config.sampler == "vllm",  # vLLM holds its own adapters (engine.py)
+            plan=plan,
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s

@@ -70,11 +70,15 @@ class VllmConfig:
     # Every adapter is padded to this rank in vLLM's LoRA kernels: on CPU, 64 instead of 8 made
     # sampling 2.5-5.6x slower (bench/sampler.py --max-lora-rank 64). Larger ranks need a worker started so.
     max_lora_rank: int = 8
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    # The longest sequence (prompt + completion) the engine takes, capped at the model's context:
+    # vLLM reserves KV for it, so a model's full context (40,960 for Qwen3) can leave no room.
+    max_model_len: int | None = 8192  # None = the model's max_position_embeddings
     max_num_seqs: int | None = None  # sequences decoded at once; more requests wait (None = vLLM's default)
     dtype: str = "float32"  # the worker's compute dtype (its Engine sets it): the engine's weights and adapters
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE); on CUDA, gpu_memory_utilization
-    gpu_memory_utilization: float = 0.5
+    # CUDA: the share of the GPU this engine reserves (weights, LoRA slots, KV); a worker has one per
+    # base model and one per full fine-tune job, and the memory plan counts each (plexrl/plan.py).
+    gpu_memory_utilization: float = 0.3
     start_timeout_s: float = 600.0
     # CPU only: the engine thread's nice value above the worker's. A worker's trainer and its
     # sampler share the cores; training then goes first and the requests that arrive meanwhile
@@ -143,6 +147,8 @@ class VllmSampler:
         self.model_path = model_path
         self.progress = progress or Progress()  # ticked on every engine step's outputs
         self.config = config or VllmConfig()
+        context = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+        self.max_model_len = min(context, self.config.max_model_len or context)
         self.lora = lora
         self._requests = itertools.count()
         self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
@@ -194,7 +200,7 @@ class VllmSampler:
             dtype=self.config.dtype,
             enforce_eager=device == "cpu",
             distributed_executor_backend="uni" if device == "cpu" else None,
-            max_model_len=self.config.max_model_len,
+            max_model_len=self.max_model_len,
             **({"max_num_seqs": self.config.max_num_seqs} if self.config.max_num_seqs else {}),
             enable_lora=self.lora,
             max_loras=self.config.max_loras,

@@ -31,6 +31,16 @@ from plexrl.worker.trainer.losses import token_logprobs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def worker_dtype(dtype: str, device: str) -> str:
+    """``--dtype``: "auto" is bfloat16 on a GPU and float32 on CPU (the shipped tiny models are
+    float32; CPU bf16 runs, as CI checks, but buys a tiny model nothing)."""
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    return dtype
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
     """A worker's trainer settings (``plexrl worker --dtype ... --max-tokens-per-microbatch ...``)."""

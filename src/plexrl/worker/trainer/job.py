@@ -164,7 +164,10 @@ class WorkerJob:
     def generate_async(self, prompts: Ragged, params: SamplingParams, priority: int = 0) -> Future[Generated]:
         """Checks now (a bad call raises here); samples on vLLM in the background, or with hf now."""
         params.validate()
-        self.base.check_tokens(prompts, "prompts", min_len=1, extra_positions=params.max_tokens)
+        engine_max_len = None if self.vllm is None else self.vllm.max_model_len
+        self.base.check_tokens(
+            prompts, "prompts", min_len=1, extra_positions=params.max_tokens, engine_max_len=engine_max_len
+        )
         bad = [t for t in params.stop_token_ids if t >= self.base.vocab_size]
         if bad:
             raise InvalidSamplingParamsError(
