@@ -190,8 +190,8 @@ def checkpointing(worker: WorkerPlan, model: ModelShape, asked: bool | None = No
 def activation_bytes(worker: WorkerPlan, model: ModelShape, checkpointed: bool) -> int:
     """The trainer's headroom for one micro-batch (forward and backward of ``max_tokens_per_microbatch``
     tokens): what each layer keeps for the backward (only its input when checkpointed, plus one
-    layer's worth recomputed), the final hidden states, and one chunk of logits in float32 with its
-    log-sum-exp and gradient."""
+    layer's worth recomputed), the final hidden states, and one chunk of logits (float32 and its
+    compute-dtype copies, forward or backward: ``forward.HeadLogprobs``)."""
     b, h, i = worker.dtype_bytes, model.hidden, model.intermediate
     q = (model.heads + 2 * model.kv_heads) * model.head_dim
     # Per token, one layer: norms' float32 inputs, the attention's q/k/v, output and projection
@@ -199,7 +199,7 @@ def activation_bytes(worker: WorkerPlan, model: ModelShape, checkpointed: bool) 
     layer = (8 * h + 2 * q) * 4 + (6 * h + 2 * q + 5 * i) * b
     kept = model.layers * (h * b if checkpointed else layer) + (layer if checkpointed else 0)
     tokens = worker.max_tokens_per_microbatch
-    logits = min(worker.chunk_elements, tokens * model.vocab) * (4 * 3 + b)
+    logits = min(worker.chunk_elements, tokens * model.vocab) * (4 * 2 + 2 * b)
     return tokens * (kept + 3 * h * 4) + logits
 
 

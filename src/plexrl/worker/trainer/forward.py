@@ -9,8 +9,9 @@ Memory per trained token is bounded by settings, never by the size of a call:
 - **gradient checkpointing**: each decoder layer keeps only its input for the backward, which
   recomputes the rest (transformers' own, non-reentrant).
 - **chunked logprobs**: logits exist only at the positions whose logprobs are wanted, a chunk of
-  positions at a time (``chunk_elements`` logits each); under autograd each chunk is itself
-  checkpointed, so no ``[B, T, V]`` tensor (151,936 columns for Qwen3) is ever alive.
+  positions at a time (``chunk_elements`` logits each), and are never kept for the backward, which
+  recomputes a chunk's (``HeadLogprobs``): no ``[B, T, V]`` tensor (151,936 columns for Qwen3)
+  is ever alive.
 - **micro-batches** (``microbatches``): a call's rows are cut into pieces of at most
   ``max_tokens`` padded tokens, each forwarded and backpropagated before the next.
 """
@@ -24,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from plexrl.worker.trainer.losses import token_logprobs
 
@@ -108,24 +108,68 @@ def target_logprobs(
     hidden_N_H = hidden_B_T_H[:, :-1][select_B_T1]
     targets_N = tokens_B_T[:, 1:][select_B_T1]
     head = causal.get_output_embeddings()
-    vocab = int(head.weight.shape[0])
-    n = int(targets_N.shape[0])
-    chunk = max(1, chunk_elements // vocab)
-    pieces = []
-    for i in range(0, n, chunk):
-        h, t = hidden_N_H[i : i + chunk], targets_N[i : i + chunk]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_head_logprobs, head, h, t, temperature, use_reentrant=False))
-        else:
-            pieces.append(_head_logprobs(head, h, t, temperature))
+    weight_V_H = head.weight
+    chunk = max(1, chunk_elements // int(weight_V_H.shape[0]))
+    device_type = tokens_B_T.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight_V_H.dtype
+    pieces = [
+        HeadLogprobs.apply(hidden_N_H[i : i + chunk], weight_V_H, targets_N[i : i + chunk], temperature, dtype)
+        for i in range(0, int(targets_N.shape[0]), chunk)
+    ]
     logp_B_T1 = torch.zeros(select_B_T1.shape, dtype=torch.float32, device=tokens_B_T.device)
     if pieces:
         logp_B_T1 = logp_B_T1.masked_scatter(select_B_T1, torch.cat(pieces))
     return logp_B_T1
 
 
-def _head_logprobs(head: nn.Module, hidden_N_H: Tensor, targets_N: Tensor, temperature: float) -> Tensor:
-    return token_logprobs(head(hidden_N_H), targets_N, temperature)
+class HeadLogprobs(torch.autograd.Function):
+    """Logprobs of ``targets_N`` under ``softmax(hidden_N_H @ weight_V_H.T / T)`` for one chunk of
+    positions, keeping no logits: the forward keeps each position's log-sum-exp, the backward
+    recomputes the chunk's logits and turns them into their gradient in place (one float32
+    ``[N, V]`` buffer and its copy in the compute dtype at a time, instead of the half-dozen
+    tensors autograd would keep). The matmuls run in ``dtype`` (the autocast dtype), the
+    softmax in float32."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden_N_H: Tensor, weight_V_H: Tensor, targets_N: Tensor, temperature: float, dtype: torch.dtype
+    ) -> Tensor:
+        logits_N_V = _logits(hidden_N_H, weight_V_H, dtype, temperature)
+        lse_N = torch.logsumexp(logits_N_V, dim=-1)
+        logp_N = logits_N_V.gather(-1, targets_N.long().unsqueeze(-1)).squeeze(-1) - lse_N
+        ctx.save_for_backward(hidden_N_H, weight_V_H, targets_N, lse_N)
+        ctx.temperature, ctx.dtype = temperature, dtype
+        return logp_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden_N_H, weight_V_H, targets_N, lse_N = ctx.saved_tensors
+        # d logp / d logits = (onehot(target) - softmax) / T, scaled by the incoming gradient.
+        grad_N_V = _logits(hidden_N_H, weight_V_H, ctx.dtype, ctx.temperature)
+        grad_N_V.sub_(lse_N.unsqueeze(-1)).exp_().mul_(-grad_N.float().unsqueeze(-1))
+        grad_N_V.scatter_add_(-1, targets_N.long().unsqueeze(-1), grad_N.float().unsqueeze(-1))
+        grad_N_V = _for_matmul(grad_N_V.div_(ctx.temperature).to(ctx.dtype))
+        weight = weight_V_H.to(ctx.dtype)
+        grad_hidden = (grad_N_V @ weight).to(hidden_N_H.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # a full fine-tune's (tied) output layer
+            grad_weight = (grad_N_V.t() @ hidden_N_H.to(ctx.dtype)).to(weight_V_H.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _logits(hidden_N_H: Tensor, weight_V_H: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """Float32 ``hidden @ weight.T / temperature``, the matmul in ``dtype``."""
+    logits_N_V = (hidden_N_H.to(dtype) @ weight_V_H.to(dtype).t()).float()
+    return logits_N_V.div_(temperature) if temperature != 1.0 else logits_N_V
+
+
+def _for_matmul(grad_N_V: Tensor) -> Tensor:
+    """The gradient laid out for its matmul with the output layer. CPU only: torch's bf16 GEMM on
+    CPUs without bf16 instructions (AVX2) takes a slow path for a row-major ``[N, V]`` left operand
+    (seen: 67 s against 1.0 s column-major, N=220, V=151,936); a GPU's GEMM takes either layout."""
+    if grad_N_V.device.type != "cpu" or grad_N_V.dtype == torch.float32:
+        return grad_N_V
+    return grad_N_V.t().contiguous().t()
 
 
 def microbatches(lengths: np.ndarray, max_tokens: int | None, waste: float = 0.25) -> list[np.ndarray]:
