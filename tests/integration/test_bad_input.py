@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from plexrl.client.connection import Client
 from plexrl.errors import (
     BatchShapeError,
     InvalidSamplingParamsError,
+    JobTooLargeError,
     ModelNotFoundError,
     UnknownJobError,
 )
@@ -211,4 +213,33 @@ async def test_an_unknown_model_path_is_a_typed_error(cluster: Client, tmp_path:
     with pytest.raises(ModelNotFoundError, match="nothing-here"):
         async with plexrl.job("ghost", model=tmp_path / "nothing-here"):
             pass
+    await _still_serving(cluster)
+
+
+async def test_a_job_too_large_for_every_worker_is_refused_at_open_with_the_plans_numbers(
+    cluster: Client, tmp_path: Path
+) -> None:
+    # Qwen3-8B's config.json alone: the client sizes the job from it, and the coordinator refuses a
+    # full fine-tune (16 bytes a parameter of state) before any worker loads anything.
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    }
+    model = tmp_path / "qwen3-8b-config-only"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JobTooLargeError, match=r"fits no worker: on w\d+ \(cpu, .* it needs .*trained state 122 GiB"):
+        async with plexrl.job("huge", model=model, lora=None):
+            pass
+    status = await cluster.status()
+    assert not [j for j in status.jobs if j.name == "huge"]  # nothing of it is left
     await _still_serving(cluster)

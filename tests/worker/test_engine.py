@@ -412,6 +412,27 @@ def test_microbatches_and_chunked_logprobs_change_nothing_a_step_computes(
     assert_same_weights(weights[0], weights[1], atol=1e-6)
 
 
+def test_a_failure_after_a_micro_batchs_backward_discards_the_jobs_gradients_and_says_so(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(trainer=TrainerSettings(max_tokens_per_microbatch=8))
+    engine.execute("j", Open(lora_spec(tiny_model)))
+    engine.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))  # accumulated before
+    forward, calls = trainer_job.target_logprobs, []
+
+    def nan_on_the_second(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        logp = forward(*args)
+        return logp * float("nan") if len(calls) == 2 else logp
+
+    monkeypatch.setattr(trainer_job, "target_logprobs", nan_on_the_second)
+    with pytest.raises(CallFailedError, match=r"after 1 of its micro-batches .*not finite.*gradients were discarded"):
+        engine.execute("j", ForwardBackward(ce_batch(), loss="cross_entropy"))
+    monkeypatch.undo()
+    with pytest.raises(CallFailedError, match="no accumulated gradients"):
+        engine.execute("j", OptimStep())  # nothing half-accumulated is left to apply
+
+
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_rows_of_zero_advantage_are_not_run_and_the_steps_are_as_if_they_were(
     tiny_model: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch

@@ -271,46 +271,53 @@ class WorkerJob:
         kl = loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0
         chunk = self.settings.chunk_elements
         outs: list[LossOutput] = []
-        for r, n in self._microbatches(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
-            self.progress.tick()
-            tokens, select = tokens_B_T[r, :n], select_B_T1[r, : n - 1]
-            ref_logp = None
-            if kl:
-                with self.base.reference() as reference, torch.no_grad(), self._autocast():
-                    ref_logp = target_logprobs(reference, tokens, select, config.temperature, chunk)
-            model = self.weights.trainer_model(train=True)
-            set_checkpointing(model, self.checkpointing and not forward_only)
-            with torch.enable_grad() if not forward_only else torch.no_grad(), self._autocast():
-                logp = target_logprobs(model, tokens, select, config.temperature, chunk)
-            if logp_B_T1 is not None:
-                logp_B_T1[r, : n - 1] = logp.detach()
-            advantages = None if advantages_B is None else advantages_B[r]
-            if token_advantages_B_T1 is not None:
-                advantages = token_advantages_B_T1[r, : n - 1]
-            out = compute_loss(
-                loss,
-                logp,
-                mask_B_T1[r, : n - 1],
-                config,
-                sampler_logp_B_T=None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1],
-                advantages_B=advantages,
-                ref_logp_B_T=ref_logp,
-                weights_B_T=None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1],
-                recomputed_B=None if recomputed_B is None else recomputed_B[r],
-            )
-            if not torch.isfinite(out.loss_sum):
-                if outs and not forward_only:  # earlier micro-batches' gradients are in: none may stay
-                    self._discard_gradients()
-                    kept = "this call's gradients and those accumulated before it were discarded (nothing was applied)"
-                else:
-                    kept = "gradients were not accumulated"
-                raise CallFailedError(
-                    f"{loss} loss is not finite ({out.loss_mean}); {kept}. "
-                    "Check the batch's sampler_logprobs and advantages"
+        try:
+            for r, n in self._microbatches(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
+                self.progress.tick()
+                tokens, select = tokens_B_T[r, :n], select_B_T1[r, : n - 1]
+                ref_logp = None
+                if kl:
+                    with self.base.reference() as reference, torch.no_grad(), self._autocast():
+                        ref_logp = target_logprobs(reference, tokens, select, config.temperature, chunk)
+                model = self.weights.trainer_model(train=True)
+                set_checkpointing(model, self.checkpointing and not forward_only)
+                with torch.enable_grad() if not forward_only else torch.no_grad(), self._autocast():
+                    logp = target_logprobs(model, tokens, select, config.temperature, chunk)
+                if logp_B_T1 is not None:
+                    logp_B_T1[r, : n - 1] = logp.detach()
+                advantages = None if advantages_B is None else advantages_B[r]
+                if token_advantages_B_T1 is not None:
+                    advantages = token_advantages_B_T1[r, : n - 1]
+                out = compute_loss(
+                    loss,
+                    logp,
+                    mask_B_T1[r, : n - 1],
+                    config,
+                    sampler_logp_B_T=None if sampler_logp_B_T1 is None else sampler_logp_B_T1[r, : n - 1],
+                    advantages_B=advantages,
+                    ref_logp_B_T=ref_logp,
+                    weights_B_T=None if token_weights_B_T1 is None else token_weights_B_T1[r, : n - 1],
+                    recomputed_B=None if recomputed_B is None else recomputed_B[r],
                 )
-            if not forward_only:
-                out.loss_sum.backward()
-            outs.append(out._replace(loss_sum=out.loss_sum.detach()))
+                if not torch.isfinite(out.loss_sum):
+                    raise CallFailedError(
+                        f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
+                        "Check the batch's sampler_logprobs and advantages"
+                    )
+                if not forward_only:
+                    out.loss_sum.backward()
+                outs.append(out._replace(loss_sum=out.loss_sum.detach()))
+        except Exception as e:
+            if not outs or forward_only:
+                raise
+            # Earlier micro-batches' gradients are in: none of a failed call may stay, and they
+            # cannot be told from those accumulated before it.
+            self._discard_gradients()
+            raise CallFailedError(
+                f"forward_backward failed after {len(outs)} of its micro-batches ({type(e).__name__}: {e}); "
+                "the job's accumulated gradients were discarded and nothing was applied: submit this step's "
+                "forward_backward calls again"
+            ) from e
         out = combined(outs, idle_tokens)
         if not forward_only:
             if not outs:  # every row's loss was zero: a zero gradient, as a backward through them would give
