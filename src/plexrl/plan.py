@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -48,22 +49,22 @@ class ModelShape(msgspec.Struct, frozen=True):
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorms
 
     @classmethod
-    def of(cls, config: dict[str, object]) -> ModelShape:
+    def of(cls, config: dict[str, Any]) -> ModelShape:
         """From a transformers config dict; ``KeyError`` / ``ValueError`` on a config it cannot read."""
         c = dict(config)
-        heads = int(c["num_attention_heads"])  # type: ignore[call-overload]
-        hidden = int(c["hidden_size"])  # type: ignore[call-overload]
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
         model_type = str(c.get("model_type", ""))
         return cls(
-            vocab=int(c["vocab_size"]),  # type: ignore[call-overload]
+            vocab=int(c["vocab_size"]),
             hidden=hidden,
-            intermediate=int(c["intermediate_size"]),  # type: ignore[call-overload]
-            layers=int(c["num_hidden_layers"]),  # type: ignore[call-overload]
+            intermediate=int(c["intermediate_size"]),
+            layers=int(c["num_hidden_layers"]),
             heads=heads,
-            kv_heads=int(c.get("num_key_value_heads") or heads),  # type: ignore[call-overload]
-            head_dim=int(c.get("head_dim") or hidden // heads),  # type: ignore[call-overload]
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
             tied=bool(c.get("tie_word_embeddings", False)),
-            context=int(c.get("max_position_embeddings") or 0),  # type: ignore[call-overload]
+            context=int(c.get("max_position_embeddings") or 0),
             qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
         )

@@ -131,7 +131,7 @@ class HeadLogprobs(torch.autograd.Function):
     softmax in float32."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden_N_H: Tensor, weight_V_H: Tensor, targets_N: Tensor, temperature: float, dtype: torch.dtype
     ) -> Tensor:
         logits_N_V = _logits(hidden_N_H, weight_V_H, dtype, temperature)
@@ -142,7 +142,7 @@ class HeadLogprobs(torch.autograd.Function):
         return logp_N
 
     @staticmethod
-    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:
         hidden_N_H, weight_V_H, targets_N, lse_N = ctx.saved_tensors
         # d logp / d logits = (onehot(target) - softmax) / T, scaled by the incoming gradient.
         grad_N_V = _logits(hidden_N_H, weight_V_H, ctx.dtype, ctx.temperature)
