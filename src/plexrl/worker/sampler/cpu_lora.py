@@ -31,12 +31,25 @@ from torch import Tensor
 ENV = "PLEXRL_GROUPED_LORA"
 
 
+_vllms_own: Any = None  # vLLM's own CpuPlatform.get_punica_wrapper while this module's replaces it
+
+
 def register() -> None:
-    """vLLM plugin entry point: use ``GroupedPunicaWrapperCPU`` on the CPU platform."""
+    """vLLM plugin entry point (called as each engine starts): use ``GroupedPunicaWrapperCPU`` on
+    the CPU platform if the worker asks (``PLEXRL_GROUPED_LORA=1``), else vLLM's own, even where an
+    earlier engine of this process asked otherwise."""
+    global _vllms_own
     if os.environ.get(ENV) != "1":
+        if _vllms_own is not None:
+            from vllm.platforms.cpu import CpuPlatform
+
+            CpuPlatform.get_punica_wrapper = _vllms_own
+            _vllms_own = None
         return
     from vllm.platforms.cpu import CpuPlatform
 
+    if _vllms_own is None:
+        _vllms_own = CpuPlatform.__dict__["get_punica_wrapper"]
     CpuPlatform.get_punica_wrapper = classmethod(lambda cls: f"{__name__}.GroupedPunicaWrapperCPU")
 
 
