@@ -294,15 +294,9 @@ def plan_table() -> int:
     """The plan for Qwen3-1.7B / 8B on an 80 GB H100 at the worker's defaults; returns 8B's LoRA jobs."""
     import msgspec
 
+    from plexrl.models import QWEN3_CONFIGS
     from plexrl.plan import GiB, JobShape, ModelShape, WorkerPlan, footprint, free_bytes, lora_jobs_per_device, refusal
 
-    qwen3 = {
-        "1.7B": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-                 "tie_word_embeddings": True},
-        "8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-               "tie_word_embeddings": False},
-    }  # fmt: skip
-    common = {"model_type": "qwen3", "vocab_size": 151936, "num_key_value_heads": 8, "head_dim": 128}
     # What torch reports of an H100 80 GB is about 79 GiB; 78 GiB leaves room for what the driver keeps.
     h100 = WorkerPlan(capacity_bytes=78 * GiB, device_type="cuda", dtype="bfloat16", sampler="vllm")
     print(
@@ -314,8 +308,8 @@ def plan_table() -> int:
           "| largest micro-batch (base + 1 job) | full fine-tune |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     jobs = {}
-    for name, dims in qwen3.items():
-        shape = ModelShape.of({**common, **dims, "max_position_embeddings": 40960})
+    for name, config in QWEN3_CONFIGS.items():
+        shape = ModelShape.of(config)
         lora = JobShape(shape, lora_rank=8)
         fp = footprint(h100, lora)
         jobs[name] = lora_jobs_per_device(h100, lora)

@@ -27,6 +27,7 @@ from plexrl.errors import (
     ModelNotFoundError,
     UnknownJobError,
 )
+from plexrl.models import QWEN3_CONFIGS
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import Codec
@@ -221,22 +222,9 @@ async def test_a_job_too_large_for_every_worker_is_refused_at_open_with_the_plan
 ) -> None:
     # Qwen3-8B's config.json alone: the client sizes the job from it, and the coordinator refuses a
     # full fine-tune (16 bytes a parameter of state) before any worker loads anything.
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 40960,
-    }
     model = tmp_path / "qwen3-8b-config-only"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
+    (model / "config.json").write_text(json.dumps(QWEN3_CONFIGS["8B"]))
     with pytest.raises(
         JobTooLargeError,
         match=r"fits no worker: on w\d+ \(cpu, .* it needs \d+ GiB \(trained state \d+ GiB, base weights",

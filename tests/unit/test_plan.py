@@ -19,6 +19,7 @@ from plexrl.coordinator.events import (
 )
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.errors import JobTooLargeError
+from plexrl.models import QWEN3_CONFIGS
 from plexrl.plan import (
     GiB,
     JobShape,
@@ -32,35 +33,8 @@ from plexrl.plan import (
     refusal,
 )
 
-# Qwen3-1.7B and Qwen3-8B as their config.json files describe them.
-QWEN3_1_7B = ModelShape.of(
-    {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 40960,
-    }
-)
-QWEN3_8B = ModelShape.of(
-    {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 40960,
-    }
-)
+QWEN3_1_7B = ModelShape.of(QWEN3_CONFIGS["1.7B"])
+QWEN3_8B = ModelShape.of(QWEN3_CONFIGS["8B"])
 H100 = WorkerPlan(capacity_bytes=80 * GiB, device_type="cuda", dtype="bfloat16", sampler="vllm")
 
 

@@ -4,7 +4,7 @@ same taught the Tinker cookbook's chat format (torch is imported lazily)."""
 
 from pathlib import Path
 
-from plexrl.models.tiny import QWEN3_SHAPED_CONFIG, TINY_CONFIG, tiny_config, write_random_model
+from plexrl.models.tiny import QWEN3_CONFIGS, QWEN3_SHAPED_CONFIG, TINY_CONFIG, tiny_config, write_random_model
 from plexrl.models.tokenizer import CharTokenizer
 
 # The shipped pretrained model's directory (config, safetensors, tokenizer files, MODEL_CARD.md).
@@ -13,6 +13,7 @@ TINY_MODEL: str = str(Path(__file__).resolve().parent / "tiny-arith")
 TINY_CHAT_MODEL: str = str(Path(__file__).resolve().parent / "tiny-arith-chat")
 
 __all__ = [
+    "QWEN3_CONFIGS",
     "QWEN3_SHAPED_CONFIG",
     "TINY_CHAT_MODEL",
     "TINY_CONFIG",

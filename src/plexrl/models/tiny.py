@@ -31,23 +31,47 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-# Qwen3-1.7B's ids: <|endoftext|> 151643 (bos, pad), <|im_start|> 151644, <|im_end|> 151645 (eos).
-QWEN3_SHAPED_CONFIG: dict[str, Any] = {
+# What Qwen3-1.7B's and Qwen3-8B's published config.json files share, and each one's own sizes:
+# the memory plan's tests and bench/memory.py size jobs of them from these alone (no weights).
+_QWEN3: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
     "vocab_size": 151936,
-    "hidden_size": 256,
     "head_dim": 128,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    # Qwen3's ids: <|endoftext|> 151643 (bos, pad), <|im_start|> 151644, <|im_end|> 151645 (eos).
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
+    "1.7B": {
+        **_QWEN3,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "tie_word_embeddings": True,
+    },
+    "8B": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "tie_word_embeddings": False,
+    },
+}
+QWEN3_SHAPED_CONFIG: dict[str, Any] = {
+    **QWEN3_CONFIGS["1.7B"],
+    "hidden_size": 256,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
     "num_hidden_layers": 2,
     "intermediate_size": 768,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
     "pad_token_id": 151643,
-    "tie_word_embeddings": True,
 }
 
 
@@ -70,6 +94,7 @@ def write_random_model(
 
     path = Path(path)
     values = {**(shape or TINY_CONFIG), **overrides}
+    values.pop("architectures", None)
     config = AutoConfig.for_model(values.pop("model_type", "qwen2"), **values)
     # fork_rng: writing a model must not move the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
