@@ -480,9 +480,14 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from plexrl.worker.devices import isolate
     from plexrl.worker.server import WorkerConfig, default_sampler, run_worker
 
     _die_with_parent(args.parent_pid)
+    try:  # before torch or vLLM start CUDA: the worker's GPU is the only one it sees
+        device = isolate(args.device)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
     # Idle OpenMP threads spinning after each op would steal the cores that the coordinator,
     # the clients and other workers need between calls. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -500,8 +505,8 @@ def _worker(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     config = WorkerConfig(
         coordinator=args.coordinator,
-        device=args.device,
-        name=args.name,
+        device=device,
+        name=args.name or (f"{os.uname().nodename}:{args.device}" if device.startswith("cuda") else ""),
         memory_budget_bytes=args.memory_budget,
         max_message_bytes=args.max_message_bytes,
         sampler=args.sampler or default_sampler(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,31 @@ def test_the_tinker_gateway_needs_one_place_to_serve_and_says_what_its_tenants_n
     (tmp_path / "t.json").write_text('["tml-alice"]')
     with pytest.raises(InvalidRequestError, match="give a JSON object of API keys to client key files"):
         KeyedTenants.from_file("tcp://h:1", tmp_path / "t.json", b"x" * 40)
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "expected_visible"),
+    [("cuda:3", None, "3"), ("cuda:1", "4,5,6,7", "5"), ("cuda:0", "2", "2"), ("cpu", "1", "1")],
+)
+def test_a_gpu_worker_sees_only_its_gpu_and_its_engine_gets_it_as_cuda_0(
+    monkeypatch: pytest.MonkeyPatch, device: str, visible: str | None, expected_visible: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    monkeypatch.setattr(os, "environ", env)
+    started: list[Any] = []
+    monkeypatch.setattr("plexrl.worker.server.run_worker", started.append)
+    assert main(["worker", "--coordinator", "tcp://h:1", "--device", device, "--sampler", "hf"]) == 0
+    (config,) = started
+    assert env["CUDA_VISIBLE_DEVICES"] == expected_visible
+    assert config.device == ("cpu" if device == "cpu" else "cuda:0")  # what its Engine is built on
+    assert config.name == ("" if device == "cpu" else f"{os.uname().nodename}:{device}")
+
+
+def test_a_gpu_index_beyond_the_visible_ones_is_refused_with_what_is_visible(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(os, "environ", {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5"})
+    assert main(["worker", "--coordinator", "tcp://h:1", "--device", "cuda:2", "--sampler", "hf"]) == 2
+    assert "sees 2 GPU(s) (CUDA_VISIBLE_DEVICES='4,5'); give an index below 2" in capsys.readouterr().err
