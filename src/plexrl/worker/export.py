@@ -57,18 +57,28 @@ def write(path: Path, fmt: str, base: BaseModel, weights: Weights) -> None:
 
 @torch.no_grad()
 def merged(base: BaseModel, weights: Weights) -> Any:
-    """A private copy of the base model with the job's trainer weights in it."""
-    model = base.copy()
-    if weights.kind == "full":
-        model.load_state_dict({k: p.detach() for k, p in weights.trainer_params.items()}, strict=False)
+    """A copy of the base model in host memory, in its stored dtype, with the job's trainer weights
+    in it: a LoRA job's ``W + scale * B A`` is taken one layer at a time in float32 and rounded
+    once, so nothing but the export's own copy is ever made (none on the device)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(base.model.config, dtype=base.dtype)
+    model.generation_config = base.model.generation_config
+    params = model.state_dict()  # tied weights under both names, one storage
+    for name, tensor in base.weights.items():
+        params[name].copy_(tensor.to("cpu"))
+    trained = {k: p.detach() for k, p in weights.trainer_params.items()}
+    if weights.kind == "full":  # its own weights over the base's (a tied output layer with its embedding)
+        for name, tensor in trained.items():
+            params[name].copy_(tensor.to("cpu"))
         return model
     config = weights.adapter_config()
     scale = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
-    params = dict(model.named_parameters())
-    for name, a in weights.trainer_params.items():
+    for name, a in trained.items():
         if ".lora_A." not in name:
             continue
-        b = weights.trainer_params[name.replace(".lora_A.", ".lora_B.")]
-        layer = name.removeprefix("base_model.model.").split(".lora_A.")[0]
-        params[f"{layer}.weight"].add_(scale * (b.detach() @ a.detach()))
+        b = trained[name.replace(".lora_A.", ".lora_B.")]
+        layer = params[f"{name.removeprefix('base_model.model.').split('.lora_A.')[0]}.weight"]
+        delta = scale * (b.to("cpu", torch.float32) @ a.to("cpu", torch.float32))
+        layer.copy_(layer.float() + delta)
     return model
