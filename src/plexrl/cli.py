@@ -200,6 +200,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the trainer's padded tokens per forward/backward: a call's rows are cut into micro-batches of at "
         "most this many (a longer row goes alone), which bounds its activation memory",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="GPU workers: the same tokens for a seeded request whatever it is batched with, and the same "
+        "gradients on a replay: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT) and torch's deterministic "
+        "algorithms (slower; see docs/architecture.md, Guarantees); a CPU worker is so without it",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--cpus",
@@ -488,6 +495,12 @@ def _worker(args: argparse.Namespace) -> int:
         device = isolate(args.device)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+    if args.deterministic and device.startswith("cuda"):
+        # Read by vLLM (its engine processes too) and cuBLAS as they start. vLLM's batch-invariant
+        # kernels are Triton kernels, GPU only: a CPU worker's engine is batch-invariant as it is
+        # (its kernels do not split a row's reductions by batch size; the tests check the tokens).
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Idle OpenMP threads spinning after each op would steal the cores that the coordinator,
     # the clients and other workers need between calls. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -517,6 +530,7 @@ def _worker(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        deterministic=args.deterministic,
         role=args.role,
         bucket=args.bucket,
         credentials=_load_credentials(args),

@@ -93,3 +93,21 @@ def test_a_gpu_index_beyond_the_visible_ones_is_refused_with_what_is_visible(
     monkeypatch.setattr(os, "environ", {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5"})
     assert main(["worker", "--coordinator", "tcp://h:1", "--device", "cuda:2", "--sampler", "hf"]) == 2
     assert "sees 2 GPU(s) (CUDA_VISIBLE_DEVICES='4,5'); give an index below 2" in capsys.readouterr().err
+
+
+def test_deterministic_turns_on_vllms_batch_invariance_for_the_worker_and_its_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG")}
+    monkeypatch.setattr(os, "environ", env)
+    started: list[Any] = []
+    monkeypatch.setattr("plexrl.worker.server.run_worker", started.append)
+    gpu = ["worker", "--coordinator", "tcp://h:1", "--sampler", "hf", "--device", "cuda:0"]
+    main(gpu)
+    assert "VLLM_BATCH_INVARIANT" not in env and not started[-1].deterministic
+    # On CPU vLLM has no batch-invariant kernels (they are Triton's): the flag leaves its engine be.
+    main(["worker", "--coordinator", "tcp://h:1", "--sampler", "hf", "--deterministic"])
+    assert "VLLM_BATCH_INVARIANT" not in env and started[-1].deterministic
+    main([*gpu, "--deterministic"])
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert started[-1].deterministic

@@ -110,6 +110,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.3  # vLLM on CUDA: each engine's reservation, a share of the GPU
     max_model_len: int = 8192  # vLLM only: the longest prompt + completion (capped at the model's context)
     max_tokens_per_microbatch: int = 8192  # the trainer's padded tokens per forward/backward
+    deterministic: bool = False  # torch's deterministic algorithms on CUDA (vLLM's batch invariance: the CLI's env)
     credentials: auth.Credentials | None = None  # a worker key (CurveZMQ); None: an unauthenticated coordinator
     checkpoint_root: str = DEFAULT_CHECKPOINT_ROOT  # jobs' save / load paths are relative to root/<tenant>
     role: str = "both"  # "rollout" | "train" | "both" (the coordinator's events.ROLES)
@@ -180,6 +181,10 @@ class Worker:
             dtype=worker_dtype(self.config.dtype, self.config.device),
             max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
         )
+        if self.config.deterministic and self.config.device.startswith("cuda"):
+            import torch
+
+            torch.use_deterministic_algorithms(True)
         return Engine(
             device=self.config.device,
             sampler=self.config.sampler,
