@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
+from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, AdapterWeights, FairAdmission
 
 
 class FakeAdapterEngine:
@@ -16,10 +15,10 @@ class FakeAdapterEngine:
     def __init__(self) -> None:
         self.resident: set[str] = set()
         self.log: list[str] = []
-        self.deleted: list[str] = []
 
     async def load(self, adapter: AdapterVersion) -> None:
         assert adapter.name not in self.resident
+        assert adapter.weights is not None, f"{adapter.name} loaded after it was dropped"
         self.resident.add(adapter.name)
         self.log.append(f"load {adapter.name}")
 
@@ -28,25 +27,26 @@ class FakeAdapterEngine:
         self.resident.remove(adapter.name)
         self.log.append(f"unload {adapter.name}")
 
-    def delete(self, adapter: AdapterVersion) -> None:
-        self.deleted.append(adapter.name)
+
+def weights(name: str) -> AdapterWeights:
+    return AdapterWeights(tensors=name.encode(), config={"r": 1})
 
 
 async def test_versions_have_their_own_names_and_go_only_when_superseded_and_unreferenced() -> None:
     engine = FakeAdapterEngine()
     registry = AdapterRegistry(engine, max_loaded=4)
-    await registry.publish("a", 0, Path("a0"))
+    await registry.publish("a", 0, weights("a0"))
     v0 = await registry.acquire("a")  # a request of version 0 in flight
-    await registry.publish("a", 1, Path("a1"))
-    assert engine.resident == {"a@v0"} and engine.deleted == []  # still in use: it stays
+    await registry.publish("a", 1, weights("a1"))
+    assert engine.resident == {"a@v0"} and v0.weights == weights("a0")  # still in use: it stays
     v1 = await registry.acquire("a")
     assert (v0.name, v1.name) == ("a@v0", "a@v1") and v0.lora_id != v1.lora_id
     await registry.release(v0)
-    assert engine.resident == {"a@v1"} and engine.deleted == ["a@v0"]  # its last request ended
+    assert engine.resident == {"a@v1"} and v0.weights is None  # its last request ended: memory freed
     await registry.drop("a")  # the job closed while v1 is in use
     assert engine.resident == {"a@v1"}
     await registry.release(v1)
-    assert engine.resident == set() and engine.deleted == ["a@v0", "a@v1"]
+    assert engine.resident == set() and v1.weights is None
     with pytest.raises(RuntimeError, match="released more often"):
         await registry.release(v1)
 
@@ -55,7 +55,7 @@ async def test_beyond_its_budget_the_least_recently_used_idle_adapter_is_unloade
     engine = FakeAdapterEngine()
     registry = AdapterRegistry(engine, max_loaded=2)
     for key in "abc":
-        await registry.publish(key, 0, Path(key))
+        await registry.publish(key, 0, weights(key))
     a = await registry.acquire("a")
     b = await registry.acquire("b")
     await registry.release(b)

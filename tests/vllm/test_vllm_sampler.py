@@ -118,6 +118,24 @@ def test_concurrent_jobs_each_get_their_own_adapters_outputs(engines: tuple[Engi
     assert not np.allclose(first[0], first[1]) and not np.allclose(first[1], first[2])
 
 
+def test_sync_weights_hands_lora_adapters_to_vllm_in_memory_and_writes_no_file(
+    engines: tuple[Engine, Engine],
+) -> None:
+    def files() -> set[Path]:
+        shm = Path("/dev/shm")
+        return {p for p in shm.rglob("*") if p.is_file()} if shm.is_dir() else set()
+
+    vllm, _ = engines
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    before = files()
+    _train(engines, {"add": "2+2=4", "mul": "2*3=6", "rev": "ab>ba"})  # a new adapter version each
+    out_v, out_h = _both(engines, {job: Generate(prompts=_prompts("3+4="), params=GREEDY) for job in JOBS})
+    for job in JOBS:  # loaded by vLLM from memory: the new versions' outputs
+        _assert_same(out_v[job], out_h[job])
+    assert files() - before == set()
+    assert not any(sampler._dir.iterdir())
+
+
 def test_on_cpu_the_engine_thread_gives_the_core_to_training_first(engines: tuple[Engine, Engine]) -> None:
     _both(engines, {"add": Generate(prompts=_prompts("1+2="), params=GREEDY)})
     threads = [t for t in threading.enumerate() if t.name == "plexrl-vllm"]

@@ -6,7 +6,7 @@ reference to the version it samples with from admission to its end. A version is
 it is both superseded (a newer one was published, or its job closed) and unreferenced, never
 while a request uses it (the failure of vLLM #14497 and TRL #7017). Current versions are loaded
 on demand and, beyond ``max_loaded``, the least recently used unreferenced one is unloaded (its
-files stay, so it loads again on its next request).
+weights stay here, in memory, so it loads again on its next request).
 
 :class:`FairAdmission` sits in front of the engine: vLLM batches at most ``max_loras`` adapters
 per step and lets requests whose adapter is resident jump the queue, which can starve the others
@@ -24,8 +24,15 @@ import asyncio
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """An adapter version's weights, in memory: what the engine loads it from (never a file)."""
+
+    tensors: bytes  # a safetensors blob, PEFT's saved layout, in the engine's dtype
+    config: dict[str, Any]  # its PEFT LoraConfig as a dict (adapter_config.json's contents)
 
 
 @dataclass(eq=False)
@@ -33,7 +40,7 @@ class AdapterVersion:
     key: str  # the job whose adapter it is
     version: int
     lora_id: int  # fresh for every version
-    path: Path  # its files (adapter_model.safetensors, adapter_config.json)
+    weights: AdapterWeights | None  # None once superseded and unloaded: it never loads again
     refs: int = 0  # requests using it now
     loaded: bool = False  # in the engine
     superseded: bool = False  # a newer version exists, or its job closed
@@ -49,7 +56,6 @@ class AdapterEngine(Protocol):
 
     async def load(self, adapter: AdapterVersion) -> None: ...
     async def unload(self, adapter: AdapterVersion) -> None: ...
-    def delete(self, adapter: AdapterVersion) -> None: ...  # its files: it will never load again
 
 
 class AdapterRegistry:
@@ -73,9 +79,9 @@ class AdapterRegistry:
     def loaded(self) -> list[AdapterVersion]:
         return sorted((v for v in self._versions if v.loaded), key=lambda v: v.lora_id)
 
-    async def publish(self, key: str, version: int, path: Path) -> AdapterVersion:
-        """``key``'s adapter is ``version`` (files at ``path``) from now on; loaded on first use."""
-        adapter = AdapterVersion(key, version, next(self._ids), path)
+    async def publish(self, key: str, version: int, weights: AdapterWeights) -> AdapterVersion:
+        """``key``'s adapter is ``version`` (``weights``) from now on; loaded on first use."""
+        adapter = AdapterVersion(key, version, next(self._ids), weights)
         old = self._current.get(key)
         self._current[key] = adapter
         self._versions.add(adapter)
@@ -131,7 +137,7 @@ class AdapterRegistry:
         if adapter.loaded:
             await self.engine.unload(adapter)
             adapter.loaded = False
-        self.engine.delete(adapter)
+        adapter.weights = None
         self._versions.discard(adapter)
 
 

