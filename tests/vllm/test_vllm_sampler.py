@@ -118,22 +118,20 @@ def test_concurrent_jobs_each_get_their_own_adapters_outputs(engines: tuple[Engi
     assert not np.allclose(first[0], first[1]) and not np.allclose(first[1], first[2])
 
 
+def _shm_files() -> set[Path]:
+    shm = Path("/dev/shm")
+    return {p for p in shm.rglob("*") if p.is_file()} if shm.is_dir() else set()
+
+
 def test_sync_weights_hands_lora_adapters_to_vllm_in_memory_and_writes_no_file(
     engines: tuple[Engine, Engine],
 ) -> None:
-    def files() -> set[Path]:
-        shm = Path("/dev/shm")
-        return {p for p in shm.rglob("*") if p.is_file()} if shm.is_dir() else set()
-
-    vllm, _ = engines
-    sampler = vllm.vllm_sampler(TINY_MODEL)
-    before = files()
+    before = _shm_files()
     _train(engines, {"add": "2+2=4", "mul": "2*3=6", "rev": "ab>ba"})  # a new adapter version each
     out_v, out_h = _both(engines, {job: Generate(prompts=_prompts("3+4="), params=GREEDY) for job in JOBS})
     for job in JOBS:  # loaded by vLLM from memory: the new versions' outputs
         _assert_same(out_v[job], out_h[job])
-    assert files() - before == set()
-    assert not any(sampler._dir.iterdir())
+    assert _shm_files() - before == set()
 
 
 def test_on_cpu_the_engine_thread_gives_the_core_to_training_first(engines: tuple[Engine, Engine]) -> None:
@@ -188,8 +186,8 @@ def test_no_kv_reuse_across_versions_or_adapters(engines: tuple[Engine, Engine])
 
 
 def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[Engine, Engine]) -> None:
-    """A full fine-tune job gets a vLLM engine of its own; sync_weights reloads its weights in place;
-    closing the job frees the engine."""
+    """A full fine-tune job gets a vLLM engine of its own; sync_weights reloads its weights in place,
+    from memory (no file written); closing the job frees the engine."""
     spec = JobSpec(model=TINY_MODEL, lora=None, optimizer=AdamW(lr=1e-3), seed=7)
     for engine in engines:
         engine.execute("full", Open(spec=spec))
@@ -202,7 +200,9 @@ def test_a_full_fine_tune_job_is_refit_through_vllms_reload_path(engines: tuple[
         prompts = _prompts("12+34=46, " * 6 + "5+6=", "3*4=")
         before_v, before_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
         _assert_same(before_v["full"], before_h["full"])
+        files = _shm_files()
         _train(engines, {"full": "5+6=11"})
+        assert _shm_files() - files == set()
         after_v, after_h = _both(engines, {"full": Generate(prompts=prompts, params=GREEDY)})
         assert after_v["full"].weight_version == 1
         _assert_same(after_v["full"], after_h["full"])

@@ -1,4 +1,8 @@
-"""What plexrl adds inside vLLM's worker: LoRA adapters handed over in memory, never as files.
+"""What plexrl adds inside vLLM's worker: weights handed over in memory, never as files.
+
+A full fine-tune job's weights go to its engine in buckets of safetensors bytes and through
+vLLM's in-place reload (``WorkerExtension.plexrl_reload_weights``; plain ``load_weights`` is not
+enough on CPU, whose kernels use copies prepacked at load time).
 
 The sampler stages an adapter version's weights (a safetensors blob and its PEFT config) in the
 process that runs the model, ``collective_rpc("plexrl_stage_adapter", args=...)`` (a method of
@@ -26,6 +30,14 @@ class WorkerExtension:
     def plexrl_stage_adapter(self, lora_id: int, tensors: bytes, config: dict[str, Any]) -> None:
         """Keep adapter ``lora_id``'s weights until vLLM loads it (an ``add_lora`` of its memory path)."""
         _staged[lora_id] = (tensors, config)
+
+    def plexrl_reload_weights(self, buckets: list[bytes]) -> None:
+        """Replace the model's weights with those in ``buckets`` (safetensors blobs of a transformers
+        state dict), read one bucket at a time, through vLLM's layer-wise in-place reload."""
+        from safetensors.torch import load
+
+        tensors = (item for bucket in buckets for item in load(bucket).items())
+        self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
 
 
 def register() -> None:

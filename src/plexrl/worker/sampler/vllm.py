@@ -1,7 +1,7 @@
 """The vLLM sampler: one async engine per base model, every LoRA job's adapter in the same batches.
 
 A full fine-tune job gets an engine of its own (``lora=False``): ``refit`` loads its weights into
-that engine through vLLM's in-place reload path, from a RAM-backed checkpoint directory.
+that engine through vLLM's in-place reload path, from memory (``extension.py``).
 
 The engine runs on a thread of its own with its own asyncio loop, so the worker's socket loop
 never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many jobs'
@@ -29,9 +29,7 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
@@ -41,7 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
 from plexrl.protocol.calls import Generated
@@ -54,6 +52,8 @@ from plexrl.worker.sampler.inproc import InProcessEngine
 log = logging.getLogger("plexrl.worker")
 
 T = TypeVar("T")
+# A full fine-tune's refit goes to its engine in safetensors buckets of at most this size.
+REFIT_BUCKET_BYTES = 256 << 20
 
 
 def available() -> bool:
@@ -153,7 +153,6 @@ class VllmSampler:
         self._requests = itertools.count()
         self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
         self.sleeping: int | None = None  # the level slept at, None when awake
-        self._dir = Path(tempfile.mkdtemp(prefix="plexrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._loop = asyncio.new_event_loop()
         nice = self.config.cpu_nice if not device.startswith("cuda") else 0
         self._thread = threading.Thread(target=self._run_loop, args=(nice,), name="plexrl-vllm", daemon=True)
@@ -238,7 +237,7 @@ class VllmSampler:
             pass
 
     def close(self) -> None:
-        """Shut the engine down and free the adapters' RAM."""
+        """Shut the engine down."""
 
         async def shutdown() -> None:
             self._engine.shutdown()  # on the engine's own loop (AsyncLLM's output handler, or the steps)
@@ -250,7 +249,6 @@ class VllmSampler:
             self._call(shutdown(), 60)
         finally:
             self._stop_loop()
-            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _run_loop(self, nice: int) -> None:
         """The engine thread: its loop, at a nice value ``nice`` above the worker's other threads' (a
@@ -332,33 +330,18 @@ class VllmSampler:
         self._call(self._registry.publish(key, version, weights), 120)
 
     def refit(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace the engine's weights with ``tensors`` (a transformers state dict of the model).
-
-        Goes through vLLM's in-place reload (plain ``load_weights`` is not enough on CPU, whose
-        kernels use copies prepacked at load time), then clears the prefix cache: KV computed
-        under the previous weights must not be reused.
-        """
+        """Replace the engine's weights with ``tensors`` (a transformers state dict of the model),
+        from memory in buckets (``extension.WorkerExtension.plexrl_reload_weights``), then clear the
+        prefix cache: KV computed under the previous weights must not be reused."""
         tensors = dict(tensors)
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
             # The reload path updates a tied lm_head only when it is given explicitly (seen on CPU:
             # new embeddings, old output layer), so a tied model's head goes in as its own tensor.
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].detach().clone()
-        path = self._dir / f"refit-{next(self._requests)}"
-        path.mkdir()
-        try:
-            dtype = getattr(torch, self.config.dtype)
-            save_file(
-                {k: t.detach().to("cpu", dtype).contiguous() for k, t in tensors.items()}, path / "model.safetensors"
-            )
-            for name in ("config.json", "generation_config.json"):
-                if (Path(self.model_path) / name).is_file():
-                    shutil.copy(Path(self.model_path) / name, path / name)
-            kwargs = {"weights_path": str(path), "is_checkpoint_format": True}
-            self._call(self._engine.collective_rpc("reload_weights", kwargs=kwargs), 600)
-            self._call(self._engine.reset_prefix_cache(), 60)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
+        buckets = _buckets(tensors, getattr(torch, self.config.dtype), REFIT_BUCKET_BYTES)
+        self._call(self._engine.collective_rpc("plexrl_reload_weights", args=(buckets,)), 600)
+        self._call(self._engine.reset_prefix_cache(), 60)
 
     def drop_adapter(self, key: str) -> None:
         self._call(self._registry.drop(key), 120)
@@ -467,3 +450,21 @@ class VllmSampler:
             weight_version=weight_version,
             cached_tokens_P=np.array([out.num_cached_tokens or 0 for out in outs], np.int32),
         )
+
+
+def _buckets(tensors: dict[str, torch.Tensor], dtype: torch.dtype, max_bytes: int) -> list[bytes]:
+    """``tensors`` in ``dtype`` as safetensors blobs of at most ``max_bytes`` each (a larger
+    tensor alone), converted one bucket at a time."""
+    buckets: list[bytes] = []
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * dtype.itemsize
+        if bucket and size + nbytes > max_bytes:
+            buckets.append(save(bucket))
+            bucket, size = {}, 0
+        bucket[name] = t.detach().to("cpu", dtype).contiguous()
+        size += nbytes
+    if bucket:
+        buckets.append(save(bucket))
+    return buckets
