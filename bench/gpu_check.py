@@ -153,6 +153,7 @@ def lora_targets(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 def with_vllm(model_dir: Path, device: str, prompts: list[list[int]], n: int, max_tokens: int) -> None:
     from peft import LoraConfig
+    from safetensors.torch import load_file
 
     from plexrl.types import Ragged, SamplingParams
     from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
@@ -165,13 +166,14 @@ def with_vllm(model_dir: Path, device: str, prompts: list[list[int]], n: int, ma
     )
     seconds, sampler = timed(lambda: VllmSampler(str(model_dir), device, config))
     row("vllm engine start (LoRA engine)", seconds, "s")
+    sampler.restore = lambda: {k: v.to(device) for k, v in load_file(next(model_dir.glob("*.safetensors"))).items()}
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     targets = lora_targets(model_dir)
     batch = Ragged.from_rows(prompts, "int32")
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0)
     try:
         seconds, _ = timed(lambda: sampler.set_adapter("job0", 0, random_adapter(targets, 16, 0), peft_config))
-        row("publish one rank-16 adapter (RAM dir + add_lora)", seconds, "s")
+        row("publish one rank-16 adapter (in memory + add_lora)", seconds, "s")
         for j in range(1, 32):
             sampler.set_adapter(f"job{j}", 0, random_adapter(targets, 16, j), peft_config)
         for jobs in (1, 8, 32):
@@ -204,15 +206,13 @@ def with_vllm(model_dir: Path, device: str, prompts: list[list[int]], n: int, ma
     seconds, full = timed(lambda: VllmSampler(str(model_dir), device, config, lora=False))
     row("vllm engine start (full-weight engine)", seconds, "s")
     try:
-        from safetensors.torch import load_file
-
         weights = {}
         for f in model_dir.glob("*.safetensors"):
             weights.update(load_file(f))
         weights = {k: v + 0.001 for k, v in weights.items()}
         seconds, _ = timed(lambda: full.refit(weights))
         size = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
-        row(f"vllm refit, {size:.1f} GB through in-place reload", seconds, "s")
+        row(f"vllm refit, {size:.1f} GB in memory through in-place reload", seconds, "s")
     finally:
         full.close()
 

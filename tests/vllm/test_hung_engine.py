@@ -1,14 +1,15 @@
 """A wedged engine is told from a slow one: a worker whose vLLM engine stops making progress
-while it runs a generate (here an engine step that blocks while a flag file exists, planted in
-the worker process through ``sitecustomize``: on CPU the engine runs in the worker, and the
-worker itself and its heartbeats go on) is declared hung after the coordinator's hang timeout,
-its calls fail with ``WorkerLostError``, and it exits (status ``EXIT_HUNG``), so a supervisor
+while it runs a generate (here its engine-core process is stopped with SIGSTOP; the worker itself
+and its heartbeats go on) is declared hung after the coordinator's hang timeout, its calls fail with
+``WorkerLostError``, and it exits with its engine process (status ``EXIT_HUNG``), so a supervisor
 starts a fresh one. A call that is merely long is not: the engine's progress keeps it alive."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,37 +29,12 @@ HANG_S = 10.0  # past a first batch's tick-free adapter load (the engine compile
 INTERVAL, LIVENESS = 0.25, 8  # heartbeats: a silent worker would be dead after 2 s
 
 
-# Loaded by every Python process of the test's cluster (PYTHONPATH): in the worker, each vLLM engine
-# step waits while $PLEXRL_TEST_WEDGE exists, as a wedged kernel would (a hang, not a wait for an event).
-WEDGE = """
-import os, time
-if os.environ.get("PLEXRL_TEST_WEDGE"):
-    from plexrl.worker.sampler import inproc
-
-    init = inproc.InProcessEngine.__init__
-
-    def wedged_init(self, engine, progress):
-        step = engine.step
-
-        def wedged_step():
-            while os.path.exists(os.environ["PLEXRL_TEST_WEDGE"]):
-                time.sleep(0.05)
-            return step()
-
-        engine.step = wedged_step
-        init(self, engine, progress)
-
-    inproc.InProcessEngine.__init__ = wedged_init
-"""
+def children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
 
 
-async def test_a_worker_whose_engine_stops_progressing_is_declared_hung_and_exits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "sitecustomize.py").write_text(WEDGE)
-    flag = tmp_path / "wedged"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("PLEXRL_TEST_WEDGE", str(flag))
+async def test_a_worker_whose_engine_stops_progressing_is_declared_hung_and_exits() -> None:
     cluster = plexrl.local(
         workers=1, sampler="vllm", start_timeout_s=600, hang_timeout_s=HANG_S,
         heartbeat_interval_s=INTERVAL, heartbeat_liveness=LIVENESS,
@@ -75,13 +51,33 @@ async def test_a_worker_whose_engine_stops_progressing_is_declared_hung_and_exit
         assert len(slow.samples) == 256
         assert [w.worker_id for w in (await client.status()).workers] == [worker.worker_id]
 
-        flag.touch()  # from the next step on, the engine makes no progress
         stuck = job.generate([[1, 5, 6]] * 32, plexrl.SamplingParams(n=8, max_tokens=300, min_tokens=300))
+        await client.status()  # answered after the generate was dispatched
+        engines = children(worker.pid)
+        assert engines, "the vLLM worker runs its engine core in a child process"
+        exits = [os.pidfd_open(pid) for pid in engines]  # readable once the process has exited
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)
         try:
             async with asyncio.timeout(HANG_S + 30):
                 with pytest.raises(WorkerLostError, match="hung: its engine made no progress"):
                     await stuck
                 assert await proc.wait() == EXIT_HUNG
+                await asyncio.gather(*(exited(fd) for fd in exits))  # the worker killed its engine processes
         finally:
-            flag.unlink()
+            for pid in engines:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            for fd in exits:
+                os.close(fd)
         assert (await client.status()).workers == []
+
+
+async def exited(pidfd: int) -> None:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, done.set_result, None)
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -134,14 +133,20 @@ def test_sync_weights_hands_lora_adapters_to_vllm_in_memory_and_writes_no_file(
     assert _shm_files() - before == set()
 
 
-def test_on_cpu_the_engine_thread_gives_the_core_to_training_first(engines: tuple[Engine, Engine]) -> None:
+def test_the_engine_core_is_a_process_of_its_own_below_the_trainers_priority_on_cpu(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """The same engine path as on a GPU (AsyncLLM and its engine-core process); on CPU that process
+    gives the core to the worker's training first."""
+    vllm, _ = engines
     _both(engines, {"add": Generate(prompts=_prompts("1+2="), params=GREEDY)})
-    threads = [t for t in threading.enumerate() if t.name == "plexrl-vllm"]
-    assert threads and all(t.native_id is not None for t in threads)
-    mine = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's: the one the engine runs training calls on
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    pids = vllm_sampler.engine_pids(sampler._engine)
+    assert pids and os.getpid() not in pids
     nice = vllm_sampler.VllmConfig().cpu_nice
     assert nice > 0
-    assert [os.getpriority(os.PRIO_PROCESS, t.native_id or 0) for t in threads] == [min(19, mine + nice)] * len(threads)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [min(19, mine + nice)] * len(pids)
 
 
 def test_sampled_logprobs_agree_at_temperature(engines: tuple[Engine, Engine]) -> None:
@@ -237,8 +242,8 @@ def test_a_job_moved_to_the_host_store_and_back_trains_and_samples_as_before(eng
 
 
 def test_jobs_opened_while_vllm_samples_get_the_adapters_their_seeds_give(engines: tuple[Engine, Engine]) -> None:
-    """The engine steps in the worker's process and draws from torch's default RNG every step; a
-    job's initial adapter (drawn under its seed) must not depend on whether it opened meanwhile."""
+    """A job's initial adapter (drawn under its seed) must not depend on whether the engine was
+    sampling when it opened."""
     vllm, _ = engines
     specs = {
         f"new{i}": JobSpec(model=TINY_MODEL, lora=LoRA(rank=8), optimizer=AdamW(lr=3e-2), seed=70 + i) for i in range(8)

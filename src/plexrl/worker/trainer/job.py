@@ -436,6 +436,11 @@ class WorkerJob:
             raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
         return self.weight_version, {k: t.numpy().copy() for k, t in self._published.items()}
 
+    def served_tensors(self) -> dict[str, Tensor]:
+        """The weights its sampler serves, as tensors (``served_weights``: a job that stepped since
+        its last sync keeps a copy of them only when it takes snapshots)."""
+        return {k: torch.from_numpy(v) for k, v in self.served_weights()[1].items()}
+
     def set_weights(self, version: int, tensors: dict[str, np.ndarray]) -> Synced:
         """Serve ``tensors`` (another worker's trainer weights) as ``version``: a disaggregated
         job's sampler replica. Checks everything before changing anything."""
