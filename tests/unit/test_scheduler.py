@@ -985,6 +985,22 @@ def test_a_worker_trains_one_call_at_a_time_and_the_policy_picks_the_next(policy
     assert s.handle(CallFinished(1), 1.0) == [Dispatch(next_call, "w0")]
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_an_open_takes_a_trainer_slot_only_on_a_worker_that_opens_on_its_main_thread(background: bool) -> None:
+    """Opening a job loads a base and may start an engine (minutes on a GPU): a worker that opens
+    beside its other calls says so, and another job's training goes on meanwhile."""
+    s = Scheduler()
+    s.handle(WorkerJoined("w0", slots=8, trainer_slots=1, background_calls=("open",) if background else ()), 0.0)
+    s.handle(JobOpened("a"), 0.0)
+    s.handle(JobOpened("b"), 0.0)
+    assert s.handle(CallSubmitted(1, "b", "open"), 0.0) == [Dispatch(1, "w0")]
+    trains = s.handle(CallSubmitted(2, "a", "forward_backward"), 0.0)
+    assert trains == ([Dispatch(2, "w0")] if background else [])
+    assert s.handle(CallSubmitted(3, "b", "forward_backward"), 0.0) == []  # b's own calls wait for its open
+    finished = s.handle(CallFinished(1), 1.0)
+    assert finished == ([] if background else [Dispatch(2, "w0")])
+
+
 @pytest.mark.parametrize("policy", ["fifo", "plex"])
 def test_a_closing_job_is_never_moved_out(policy: str) -> None:
     """The server handles a close's CallFinished before its JobClosed: in between, the closed job

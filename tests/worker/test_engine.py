@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -925,3 +926,68 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(
     # The hf sampler reports logprobs of the unmasked distribution, as the trainer computes them.
     for sampled, trained in zip(out.logprobs, trainer_logprobs(engine, "a", out), strict=True):
         np.testing.assert_allclose(sampled, trained, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_an_open_runs_beside_other_jobs_calls_and_enters_the_job_whole(
+    engine: Engine, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """``start`` runs an open on a thread of its own: while its slow part waits (here, loading the
+    base model), another job trains, steps and samples on the main thread; the job is then open."""
+    run(engine, "busy", Open(spec=lora_spec(tiny_model)), Opened)
+    gate, loading = threading.Event(), threading.Event()
+    load = engine._models.get
+
+    def slow_load(path: str) -> Any:
+        loading.set()
+        assert gate.wait(60), "the test never let the open go on"
+        return load(path)
+
+    monkeypatch.setattr(engine._models, "get", slow_load)
+    spec = lora_spec(tiny_model, seed=3) if kind == "lora" else full_spec(tiny_model, seed=3)
+    opening = engine.start("new", Open(spec=spec))
+    assert opening is not None
+    try:
+        assert loading.wait(60)
+        train(engine, "busy", steps=2)
+        generate(engine, "busy", max_tokens=4)
+        assert not opening.done() and engine.job_ids() == ["busy"]  # nothing of it entered yet
+    finally:
+        gate.set()
+    opened = opening.result(timeout=60)
+    assert isinstance(opened, Opened) and opened.weight_version == 0
+    assert sorted(engine.job_ids()) == ["busy", "new"]
+    generate(engine, "new", max_tokens=4)
+    train(engine, "new", steps=1)
+
+
+def test_a_save_runs_beside_other_jobs_calls(
+    engine: Engine, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint being written (here held at its write) keeps no other job waiting, and what it
+    wrote is the job's state when it started."""
+    for job in ("saving", "busy"):
+        run(engine, job, Open(spec=lora_spec(tiny_model, seed=len(job))), Opened)
+    train(engine, "saving", steps=1)
+    gate, writing = threading.Event(), threading.Event()
+    write = checkpoint.write
+
+    def slow_write(*args: Any) -> None:
+        writing.set()
+        assert gate.wait(60), "the test never let the save go on"
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "write", slow_write)
+    saving = engine.start("saving", Save(path=str(tmp_path / "ckpt")))
+    assert saving is not None
+    try:
+        assert writing.wait(60)
+        train(engine, "busy", steps=2)
+        generate(engine, "busy", max_tokens=4)
+        assert not saving.done()
+    finally:
+        gate.set()
+    saved = saving.result(timeout=60)
+    assert isinstance(saved, Saved) and saved.step == 1
+    first = {k: v.numpy() for k, v in load_file(str(tmp_path / "ckpt" / checkpoint.WEIGHTS)).items()}
+    assert_same_weights(saved_weights(engine, "saving", tmp_path / "again"), first)

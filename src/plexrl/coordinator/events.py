@@ -35,6 +35,9 @@ class WorkerJoined:
     # Its device and settings: the memory plan (plexrl/plan.py) then counts base models, engines and
     # activation headroom against its capacity. None: only ``memory_bytes`` bounds jobs' state.
     plan: WorkerPlan | None = None
+    # The call kinds it runs beside its other calls (opens load bases and start engines, saves
+    # write checkpoints: seconds to minutes): they take none of its ``trainer_slots``.
+    background_calls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

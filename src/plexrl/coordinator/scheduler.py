@@ -95,12 +95,16 @@ class _Worker:
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
+    background_calls: frozenset[str] = frozenset()  # kinds it runs beside its other calls, in no trainer slot
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
     plan: WorkerPlan | None = None  # its device and settings (None: only memory_bytes bounds jobs' state)
     # What its device holds beside jobs' movable state, by the plan: "base:PATH" (a base model's
     # weights, shared engine and activation headroom, while a job of it lives here) and "job:ID"
     # (a full fine-tune job's own engine).
     fixed: dict[str, int] = field(default_factory=dict)
+
+    def takes_trainer_slot(self, call: _Call) -> bool:
+        return lane_of(call.kind) == TRAINER and call.kind not in self.background_calls
 
     @property
     def budget(self) -> float:
@@ -313,7 +317,8 @@ class Scheduler:
                 worker = _Worker(joined.worker_id, max(1, joined.slots), joined.memory_bytes, joined.swap_bytes_per_s,
                                  role=joined.role, bucket=joined.bucket, node=joined.node, index=joined.index,
                                  stateless_generates=joined.stateless_generates, devices=max(1, joined.devices),
-                                 plan=joined.plan)  # fmt: skip
+                                 plan=joined.plan,
+                                 background_calls=frozenset(joined.background_calls))  # fmt: skip
                 worker.trainer_slots = joined.trainer_slots if joined.trainer_slots > 0 else worker.slots
                 self._workers[worker.worker_id] = worker
                 self._roles_changed(worker)
@@ -884,7 +889,8 @@ class Scheduler:
                 for call in startable:
                     if len(worker.running) >= worker.slots:
                         break
-                    if call.lane == TRAINER and len(worker.training) >= worker.trainer_slots:
+                    trains = worker.takes_trainer_slot(call)
+                    if trains and len(worker.training) >= worker.trainer_slots:
                         break
                     if needs_state:
                         job.state.waiting_since_s = None
@@ -894,7 +900,7 @@ class Scheduler:
                     job.rebuilding &= call.kind != "restore"
                     worker.running.add(call.call_id)
                     self._ran_on[call.call_id] = worker.worker_id
-                    if call.lane == TRAINER:
+                    if trains:
                         worker.training.add(call.call_id)
                     pooled_turn = job.pooled and call.lane == SAMPLER
                     if pooled_turn:
@@ -1095,7 +1101,7 @@ class Scheduler:
         job.rebuilding &= call.kind != "restore"
         for w in members:
             w.running.add(call.call_id)
-            if call.lane == TRAINER:
+            if w.takes_trainer_slot(call):
                 w.training.add(call.call_id)
             self.ledger.call_started(w.worker_id, job.job_id, now)
         self._ran_on[call.call_id] = job.home

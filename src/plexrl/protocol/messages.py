@@ -232,6 +232,7 @@ class Register(Envelope, tag="register", frozen=True):
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM)
     plan: WorkerPlan | None = None  # its device's capacity and the settings the memory plan needs
+    background_calls: list[str] = []  # call kinds it runs beside its other calls (in no trainer slot): open, save
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

@@ -1,9 +1,15 @@
 """The in-process compute engine of a worker: a table of open jobs and one entry point, ``execute``.
 
-``execute`` is synchronous and not thread-safe: the worker server runs it on its main thread,
-one call at a time. ``start`` is the one way around that: with the vLLM sampler, a LoRA job's
-``generate`` starts on vLLM's engine and returns a future, so other jobs' calls go on meanwhile. Typed plexrl errors mean the caller must change something;
-anything else propagates as-is and the server reports it as a failed call.
+``execute`` is synchronous: the worker server runs it on its main thread, one call at a time.
+``start`` runs some calls beside it and returns their futures, so other jobs' calls go on
+meanwhile: with the vLLM sampler a LoRA job's ``generate`` (on vLLM's engine); and on a thread of
+their own, one at a time (``background_calls``), an ``open``, whose slow part (loading a base
+model, starting a vLLM engine, copying a model for a full fine-tune) touches nothing another call
+uses and whose last part (the job's adapter on the shared base, its entry in the job table) runs
+under the lock ``execute`` holds, and a ``save`` (a checkpoint or an export), which only reads
+its job's state (the scheduler runs none of that job's other trainer calls meanwhile).
+Typed plexrl errors mean the caller must change something; anything else propagates as-is and
+the server reports it as a failed call.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +34,7 @@ from plexrl.protocol.calls import (
     Close,
     ForwardBackward,
     Generate,
+    JobSpec,
     Load,
     Logprobs,
     Open,
@@ -34,12 +43,13 @@ from plexrl.protocol.calls import (
     Restore,
     Result,
     Save,
+    Saved,
     SetWeights,
     SyncWeights,
 )
 from plexrl.worker import memory
 from plexrl.worker.memory import Moved, planned_state_bytes
-from plexrl.worker.models import ModelCache
+from plexrl.worker.models import BaseModel, ModelCache
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler.vllm import VllmConfig, VllmSampler
 from plexrl.worker.trainer import checkpoint
@@ -52,7 +62,20 @@ log = logging.getLogger("plexrl.worker")
 SHARED = "shared"  # the checkpoint folder of jobs without a tenant (an unauthenticated coordinator)
 
 
+@dataclass
+class _Prepared:
+    """An open's slow part, done off the main thread: the base model, the job's sampler engine, and
+    (a full fine-tune job) its private copy of the weights."""
+
+    base: BaseModel
+    vllm: VllmSampler | None
+    new_engine: bool  # ``vllm`` was started for this open (closed if the open fails)
+    weights: FullWeights | None
+
+
 class Engine:
+    background_calls: tuple[str, ...] = ("open", "save")  # what ``start`` runs beside the main thread's calls
+
     def __init__(
         self,
         device: str = "cpu",
@@ -80,6 +103,9 @@ class Engine:
         # Save / load paths: relative to root/<tenant> (a worker's); None: taken as given (in-process use).
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._tenants: dict[str, str] = {}
+        # The job table and the shared base models: ``execute`` holds it for a call, an open for its last step.
+        self._lock = threading.RLock()
+        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-beside")
 
     def plan(self) -> WorkerPlan:
         """This worker's device and the settings the memory plan needs (sent when it registers)."""
@@ -103,6 +129,10 @@ class Engine:
         return list(self._jobs)
 
     def start(self, job_id: str, call: Call, priority: int = 0) -> Future[Result] | None:
+        if isinstance(call, Open):
+            return self._beside.submit(self._open, job_id, call)
+        if isinstance(call, Save):
+            return self._beside.submit(self._save, job_id, call)
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
             # vLLM samples with its own copy of the weights: the trainer's state may stay in the host
@@ -115,14 +145,17 @@ class Engine:
         """Pause the LoRA jobs' vLLM sampling while inside: a trainer call gets the device (on CPU:
         the core) to itself; requests in flight are kept and go on after. A full fine-tune job's
         own engine is not paused (it holds that one job's turns only)."""
+        with self._lock:
+            samplers = list(self._vllm.values())
         with contextlib.ExitStack() as paused:  # woken whatever happens, those paused so far included
-            for sampler in self._vllm.values():
+            for sampler in samplers:
                 if sampler.sleeping is None:
                     sampler.sleep(0)
                     paused.callback(sampler.wake)
             yield
 
     def close(self) -> None:
+        self._beside.shutdown(wait=True, cancel_futures=True)
         for job in self._jobs.values():
             job.close()
         for sampler in self._vllm.values():
@@ -142,6 +175,10 @@ class Engine:
         raise InvalidRequestError(f"cannot move state to {to!r}: choose 'device' or 'host'")
 
     def execute(self, job_id: str, call: Call) -> Result:
+        with self._lock:
+            return self._execute(job_id, call)
+
+    def _execute(self, job_id: str, call: Call) -> Result:
         if isinstance(call, Open):
             return self._open(job_id, call)
         if isinstance(call, Restore):
@@ -171,8 +208,8 @@ class Engine:
                 return job.sync_weights(export or inline)  # the worker publishes exported tensors (dataplane.py)
             case SetWeights(weight_version=version, tensors=tensors) if tensors is not None:
                 return job.set_weights(version, tensors)
-            case Save(path=path, format=fmt):
-                return job.save(self._checkpoint_path(job_id, path), fmt)
+            case Save():
+                return self._save(job_id, call)
             case Load(path=path, export=export, snapshot=snapshot):
                 return job.load(self._checkpoint_path(job_id, path), export, snapshot)
             case Close():
@@ -184,6 +221,14 @@ class Engine:
     def served_weights(self, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
         """The weights the job's sampler serves now, and their version (to publish for other workers)."""
         return self._job(job_id).served_weights()
+
+    def _save(self, job_id: str, call: Save) -> Saved:
+        """Checkpoint or export a job: only its state is read, so outside the lock."""
+        with self._lock:
+            job = self._job(job_id)
+            self._resident(job, job_id, call)
+            path = self._checkpoint_path(job_id, call.path)
+        return job.save(path, call.format)
 
     def _checkpoint_path(self, job_id: str, path: str) -> str:
         if self.checkpoint_root is None:
@@ -205,35 +250,67 @@ class Engine:
         return job
 
     def _open(self, job_id: str, call: Open) -> Opened:
+        """Open a job: the slow part first, on whatever thread this runs on, then the rest under the lock."""
         spec = call.spec
         if job_id in self._jobs:
             raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
         check_spec(spec)
+        prepared = self._prepare(spec)
+        try:
+            with self._lock:
+                return self._enter(job_id, call, prepared)
+        except BaseException:
+            if prepared.new_engine and prepared.vllm is not None and prepared.vllm not in self._vllm.values():
+                prepared.vllm.close()
+            raise
+
+    def _prepare(self, spec: JobSpec) -> _Prepared:
+        """What an open may do beside other calls: nothing here is used by another job yet."""
         base = self._models.get(spec.model)
-        vllm, key = None, None
+        vllm, new_engine = None, False
         if self.sampler == "vllm" and spec.lora is not None:
-            vllm, key = self.vllm_sampler(spec.model), job_id
+            vllm, new_engine = self._vllm.get(os.path.abspath(spec.model)), False
+            if vllm is None:
+                vllm, new_engine = self._new_sampler(spec.model, lora=True), True
             vllm.check_rank(spec.lora.rank)
         elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
-            vllm = VllmSampler(spec.model, self.device.type, self.vllm_config, lora=False, progress=self.progress)
-        hf = vllm is None  # the hf sampler needs a copy of the weights to sample with; vLLM has its own
+            vllm, new_engine = self._new_sampler(spec.model, lora=False), True
+        # The hf sampler needs a copy of the weights to sample with; vLLM has its own.
+        weights = FullWeights(base, sampler_copy=vllm is None) if spec.lora is None else None
+        return _Prepared(base, vllm, new_engine, weights)
+
+    def _enter(self, job_id: str, call: Open, prepared: _Prepared) -> Opened:
+        """An open's last step, under the lock: the job's adapter on the shared base, its entry."""
+        spec, base, vllm = call.spec, prepared.base, prepared.vllm
+        if job_id in self._jobs:
+            raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
+        if vllm is not None and spec.lora is not None:
+            shared = self._vllm.setdefault(os.path.abspath(spec.model), vllm)
+            if shared is not vllm:  # another open started one meanwhile: serve from that one
+                vllm.close()
+                vllm = prepared.vllm = shared
         weights: Weights = (
-            FullWeights(base, sampler_copy=hf)
-            if spec.lora is None
-            else LoraWeights(base, spec.lora, spec.seed, sampler_copy=hf)
+            prepared.weights
+            if prepared.weights is not None
+            else LoraWeights(base, spec.lora, spec.seed, sampler_copy=vllm is None)  # type: ignore[arg-type]
         )
+        key = job_id if vllm is not None and spec.lora is not None else None
         job = WorkerJob(spec, base, weights, vllm=vllm, key=key, progress=self.progress, settings=self.trainer)
+        if vllm is not None and vllm.restore is None:  # what a wake after a level-2 sleep loads
+            vllm.restore = (lambda: base.weights) if key is not None else job.served_tensors
         if 0 < planned_state_bytes(job) <= call.snapshot_max_bytes:
             job.take_snapshots()
         self._jobs[job_id] = job
         self._tenants[job_id] = call.tenant or SHARED
         return job.opened()
 
+    def _new_sampler(self, model: str, *, lora: bool) -> VllmSampler:
+        return VllmSampler(model, self.device.type, self.vllm_config, lora=lora, progress=self.progress)
+
     def vllm_sampler(self, model: str) -> VllmSampler:
         """The vLLM engine serving ``model``'s LoRA jobs on this worker (started on first use)."""
-        import os
-
         key = os.path.abspath(model)
-        if key not in self._vllm:
-            self._vllm[key] = VllmSampler(model, self.device.type, self.vllm_config, progress=self.progress)
-        return self._vllm[key]
+        with self._lock:
+            if key not in self._vllm:
+                self._vllm[key] = self._new_sampler(model, lora=True)
+            return self._vllm[key]

@@ -53,6 +53,7 @@ class CallEngine(Protocol):
     """What the worker needs of an engine (the real one is ``plexrl.worker.engine.Engine``)."""
 
     progress: Progress  # ticked as its calls advance; the heartbeat reports it
+    background_calls: tuple[str, ...]  # kinds its ``start`` runs beside other calls (they take no trainer slot)
 
     def start(self, job_id: str, call: calls.Call, priority: int = 0) -> Future[calls.Result] | None:
         """Start ``call`` in the background and return its future, or None to run it with
@@ -157,6 +158,10 @@ class Worker:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._running: dict[int, Future[calls.Result]] = {}  # background calls by request id
+        # A job being opened in the background, and the calls for it that came meanwhile: they run
+        # in arrival order once its open is answered (a job's calls never overtake its open).
+        self._opening: dict[str, list[m.Execute]] = {}
+        self._opened: list[m.Execute] = []  # those now due, run by the main thread's loop
         # State moves run one at a time beside the calls (the scheduler never moves a job that runs).
         self._moves = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-move")
 
@@ -208,6 +213,8 @@ class Worker:
                     if e.exit:
                         _exit_hung(f"the coordinator declared this worker hung ({e})")
                     log.info("coordinator lost (%s): dropping all job state and registering again", e)
+                    self._opening.clear()
+                    self._opened.clear()
                     self._data.clear()
                     engine.close()
                     engine = self._new_engine()
@@ -227,7 +234,7 @@ class Worker:
             self.config.credentials.apply(sock)
         sock.connect(self.config.coordinator)
         try:
-            reg = self._register(sock, engine.plan())
+            reg = self._register(sock, engine)
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
             beat = _Heartbeat(ctx, self.config, ident, reg, engine.progress)
             beat.start()
@@ -238,7 +245,7 @@ class Worker:
         finally:
             sock.close(linger=0)
 
-    def _register(self, sock: zmq.Socket[bytes], plan: WorkerPlan) -> m.Registered:
+    def _register(self, sock: zmq.Socket[bytes], engine: CallEngine) -> m.Registered:
         msg = m.Register(
             rid=1,
             name=self.config.name or f"{os.uname().nodename}:{os.getpid()}",
@@ -251,7 +258,8 @@ class Worker:
             role=self.config.role,
             bucket=self.config.bucket,
             stateless_generates=self.config.sampler == "vllm",  # vLLM holds its own adapters (engine.py)
-            plan=plan,
+            plan=engine.plan(),
+            background_calls=list(engine.background_calls),
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
@@ -272,6 +280,8 @@ class Worker:
             ready = dict(poller.poll(POLL_MS))
             if self._wake_r in ready:
                 self._send_finished(sock)
+            while self._opened:
+                self._execute(sock, engine, self._opened.pop(0))
             if sock not in ready:
                 continue
             frames = sock.recv_multipart(copy=False)
@@ -286,10 +296,15 @@ class Worker:
                 self._start_move(engine, msg)
             elif isinstance(msg, m.Abort) and msg.rid in self._running:
                 self._running[msg.rid].cancel()  # its done callback sends the CallAbortedError
+            elif isinstance(msg, m.Abort):
+                self._abort_waiting(sock, msg.rid)
             elif isinstance(msg, m.Shutdown):
                 raise _CoordinatorLost(msg.reason, exit=msg.exit)
 
     def _execute(self, sock: zmq.Socket[bytes], engine: CallEngine, ex: m.Execute) -> None:
+        if ex.job_id in self._opening:  # its open runs in the background: after it
+            self._opening[ex.job_id].append(ex)
+            return
         start = time.perf_counter()
         try:
             background = engine.start(ex.job_id, ex.call, ex.priority)
@@ -303,7 +318,18 @@ class Worker:
             sock.send_multipart(self._reply(ex, start, run), copy=False)
         else:
             self._running[ex.rid] = background
+            if isinstance(ex.call, calls.Open):
+                self._opening[ex.job_id] = []
             background.add_done_callback(lambda f: self._later(functools.partial(self._finished_call, ex, start, f)))
+
+    def _abort_waiting(self, sock: zmq.Socket[bytes], rid: int) -> None:
+        """Abort a call still waiting for its job's open: it is answered at once, never run."""
+        for waiting in self._opening.values():
+            for ex in [ex for ex in waiting if ex.rid == rid]:
+                waiting.remove(ex)
+                aborted: Future[calls.Result] = Future()
+                aborted.cancel()
+                sock.send_multipart(self._reply(ex, time.perf_counter(), functools.partial(_outcome, aborted)))
 
     def _run(self, engine: CallEngine, job_id: str, call: calls.Call, exclusive: bool = False) -> calls.Result:
         """Run ``call`` on the engine, with the data plane around it: weights a ``SetWeights``
@@ -346,6 +372,8 @@ class Worker:
 
     def _finished_call(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> Frames:
         self._running.pop(ex.rid, None)
+        if isinstance(ex.call, calls.Open):
+            self._opened += self._opening.pop(ex.job_id, [])  # run after this reply goes out
         return self._reply(ex, start, functools.partial(_outcome, fut))
 
     def _moved(self, msg: m.MoveState, fut: Future[Moved]) -> Frames:
