@@ -3,6 +3,7 @@ plane (worker/dataplane.py) against through the coordinator (``--weights-via coo
 path before it), on hosts with links of a set bandwidth.
 
     python bench/weights.py [--reps 3] [--syncs 3] [--mbit 1000]     (root: network namespaces)
+    python bench/weights.py --only refit                               (no root: one machine)
 
 The hosts are network namespaces on this machine (client/hosts.py), each sending at most
 ``--mbit`` (a token bucket on its link; 1000 = the gigabit network of a workstation cluster).
@@ -25,6 +26,14 @@ starts a fresh cluster per mode (modes alternate, so drift hits both), takes ``-
 syncs after one warm-up, and keeps their median; reps give the spread. Beside it, the link's copy
 bandwidth: one 103 MB ZeroMQ message between the same hosts, nothing else. The last line,
 ``same_host_push_speedup=<median>``, is the headline.
+
+``refit`` (first, and alone with ``--only refit``): the last hop of a full fine-tune's sync, the
+weights into the job's vLLM engine, the way the sampler does it (``VllmSampler.refit``: safetensors
+buckets of at most 256 MiB handed to vLLM's worker in memory, ``extension.py``) against the path
+before it (the state dict written as one safetensors file to ``/dev/shm`` and read back by vLLM's
+``reload_weights``, rebuilt here from vLLM's public calls). Same engine, same tensors (new values
+each time), modes alternating; seconds and seconds per GB, median [range] of the reps' medians.
+Last line: ``refit_in_memory_s_per_gb=``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -146,10 +156,76 @@ async def topology(name: str, model: Path, net: hosts.Network, args: argparse.Na
     return speedups
 
 
+def refit_seconds(sampler: Any, tensors: dict[str, Any], mode: str, model: Path) -> float:
+    """One refit of ``tensors`` into ``sampler``'s engine: ``memory`` (the sampler's own path) or
+    ``file`` (the path before it: a safetensors file in /dev/shm, vLLM's reload_weights reads it)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    if mode == "memory":
+        sampler.refit(tensors)
+        return time.perf_counter() - start
+    folder = Path(tempfile.mkdtemp(prefix="plexrl-refit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, folder / "model.safetensors")
+        for name in ("config.json", "generation_config.json"):
+            if (model / name).is_file():
+                shutil.copy(model / name, folder / name)
+        kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
+        sampler._call(sampler._engine.collective_rpc("reload_weights", kwargs=kwargs), 600)
+        sampler._call(sampler._engine.reset_prefix_cache(), 60)
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def refit(model: Path, args: argparse.Namespace) -> float:
+    """In-memory refits against file refits on one engine; returns the in-memory seconds per GB."""
+    import torch
+    from safetensors.torch import load_file
+
+    from plexrl.worker.sampler.vllm import VllmSampler
+
+    base = load_file(model / "model.safetensors")
+    if "lm_head.weight" not in base:  # what the sampler adds for a tied model, so both modes move the same bytes
+        base["lm_head.weight"] = base["model.embed_tokens.weight"].clone()
+    nbytes = sum(t.numel() * t.element_size() for t in base.values())
+    sampler = VllmSampler(str(model), "cpu", lora=False)
+    seconds: dict[str, list[float]] = {"memory": [], "file": []}
+    try:
+        step = 0
+        for rep in range(args.reps):
+            for mode in ("memory", "file") if rep % 2 == 0 else ("file", "memory"):
+                times = []
+                for _ in range(args.syncs + 1):  # the first one warms up
+                    step += 1
+                    tensors = {k: t + torch.full_like(t, 1e-4 * step) for k, t in base.items()}
+                    times.append(refit_seconds(sampler, tensors, mode, model))
+                seconds[mode].append(statistics.median(times[1:]))
+                print(f"  refit rep {rep + 1}/{args.reps} {mode:>6}: {seconds[mode][-1]:.3f} s", flush=True)
+    finally:
+        sampler.close()
+    gb = nbytes / 1e9
+    print(f"\nrefit of {gb * 1e3:.0f} MB into a full fine-tune's vLLM engine (CPU), {args.reps} reps x {args.syncs}")
+    for mode, label in (("memory", "in memory, 256 MiB buckets"), ("file", "a /dev/shm file (before)")):
+        per_gb = [s / gb for s in seconds[mode]]
+        print(f"  {label:<28} {_spread(seconds[mode])} s   {_spread(per_gb)} s/GB")
+    ratio = [f / m for m, f in zip(seconds["memory"], seconds["file"], strict=True)]
+    print(f"  file / in memory (paired by rep): {_spread(ratio)}x")
+    return statistics.median(seconds["memory"]) / gb
+
+
 async def main(args: argparse.Namespace) -> None:
+    model = write_random_model(Path(tempfile.mkdtemp()) / "big", seed=0, **BIG)
+    if args.only in (None, "refit"):
+        per_gb = refit(model, args)
+        if args.only == "refit":
+            print(f"refit_in_memory_s_per_gb={per_gb:.3f}")
+            return
     if (why := hosts.available()) is not None:
         sys.exit(f"bench/weights.py makes network namespaces: {why}")
-    model = write_random_model(Path(tempfile.mkdtemp()) / "big", seed=0, **BIG)
     nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     print(f"model: {nbytes / 1e6:.1f} MB of float32 weights; {args.reps} reps x {args.syncs} syncs per mode")
     results = {}
@@ -160,6 +236,8 @@ async def main(args: argparse.Namespace) -> None:
                 host.shape(args.mbit)
             results[name] = await topology(name, model, net, args)
     print()
+    if args.only is None:
+        print(f"refit_in_memory_s_per_gb={per_gb:.3f}")
     for name, speedups in results.items():
         print(
             f"{name.replace(' ', '_')}_push_speedup={statistics.median(speedups):.2f} (worst rep {min(speedups):.2f})"
@@ -176,6 +254,6 @@ if __name__ == "__main__":
         parser.add_argument("--reps", type=int, default=3)
         parser.add_argument("--syncs", type=int, default=3, help="timed syncs per cluster (their median is a rep)")
         parser.add_argument("--mbit", type=int, default=1000, help="each host's link, Mbit/s")
-        parser.add_argument("--only", choices=["same", "other"], default=None, help="one topology")
+        parser.add_argument("--only", choices=["same", "other", "refit"], default=None, help="one part")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         asyncio.run(main(parser.parse_args()))
