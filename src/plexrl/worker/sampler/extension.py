@@ -48,7 +48,7 @@ def register() -> None:
 
     if _vllms_own is None:
         _vllms_own = WorkerLoRAManager._load_adapter
-        WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+        WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign,unused-ignore]  # vLLM typed only where installed
 
 
 def _load_adapter(manager: Any, request: Any) -> Any:
