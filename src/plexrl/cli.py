@@ -18,6 +18,7 @@ import time
 
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.errors import InvalidRequestError
+from plexrl.plan import ENGINE_SLEEP
 from plexrl.protocol import auth
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -186,6 +187,14 @@ def _parser() -> argparse.ArgumentParser:
         default=0.3,
         help="vllm on CUDA: the share of the GPU each engine reserves (its weights, LoRA slots and KV): one per "
         "base model's LoRA jobs, one per full fine-tune job; the memory plan counts it",
+    )
+    p.add_argument(
+        "--engine-sleep",
+        choices=ENGINE_SLEEP,
+        default="auto",
+        help="vllm: whether the engines sleep while this worker trains, giving their memory to training: auto "
+        "(when a training call would not fit beside them; on a GPU only: on CPU a sleep frees nothing), always "
+        "(around every training phase: on CPU they pause), never; the coordinator decides when, by the memory plan",
     )
     p.add_argument(
         "--max-model-len",
@@ -528,6 +537,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        engine_sleep=args.engine_sleep,
         max_model_len=args.max_model_len,
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         deterministic=args.deterministic,

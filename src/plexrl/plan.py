@@ -13,6 +13,12 @@ What a device holds, counted once each:
 - **activation headroom** for one micro-batch of ``max_tokens_per_microbatch`` tokens, once per base;
 - each job's **state**: trained weights, their gradients and two AdamW moments (float32 masters:
   16 bytes a parameter), plus an hf sampler's copy; this is what residency moves in and out.
+
+Engines and activations need not be held at once: on a GPU a worker's vLLM engines can sleep while
+its trainer runs (``engine_sleep``), so the device's peak is the larger of the two, not their sum
+(``held_bytes``). The scheduler sleeps them when a training call would not fit beside them
+(``must_sleep``), at the level ``sleep_level`` picks, and wakes them before the next call that
+samples or changes what they serve.
 """
 
 from __future__ import annotations
@@ -140,6 +146,10 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     max_tokens_per_microbatch: int = 8192
     chunk_elements: int = 1 << 25
     checkpointing_min_params: int = 100_000_000
+    # Whether its vLLM engines sleep while it trains: "auto" (when training would not fit beside
+    # them), "always" (around every training phase, as colocated RL trainers do) or "never".
+    engine_sleep: str = "auto"
+    host_bytes: int = 0  # the host's memory (what a level-1 sleep offloads the engines' weights to)
 
     @property
     def dtype_bytes(self) -> int:
@@ -155,7 +165,7 @@ class Footprint(msgspec.Struct, frozen=True):
 
     state: int  # what residency moves: trained weights, gradients, AdamW moments (+ an hf sampler copy)
     pinned: int  # held wherever its state is, while it is open: a full fine-tune job's own engine
-    base: int  # held once per base model on the worker: its weights, shared engine, activation headroom
+    base: int  # held once per base model on the worker: its weights, shared engine, activation headroom (held_bytes)
     parts: dict[str, int]  # every part by name (for a refusal's message and bench/memory.py)
 
 
@@ -221,12 +231,48 @@ def footprint(worker: WorkerPlan, job: JobShape) -> Footprint:
         "shared engine": shared_engine,
         "own engine": own_engine,
     }
-    return Footprint(state=state, pinned=own_engine, base=base_weights + shared_engine + activations, parts=parts)
+    base = held_bytes(worker, base_weights, activations, shared_engine)
+    return Footprint(state=state, pinned=own_engine, base=base, parts=parts)
 
 
 def free_bytes(worker: WorkerPlan) -> int:
     """What jobs may use: the capacity less the runtime's share."""
     return worker.capacity_bytes - worker.runtime_bytes
+
+
+ENGINE_SLEEP = ("auto", "always", "never")
+TRAINING_KINDS = frozenset({"forward_backward", "optim_step", "logprobs"})  # the calls that need activations
+
+
+def sleep_frees(worker: WorkerPlan) -> bool:
+    """Whether sleeping the worker's engines gives their memory to its trainer: on CUDA (vLLM's
+    sleep mode) unless turned off. On CPU a sleep only pauses the engine: it frees nothing."""
+    return worker.sampler == "vllm" and worker.device_type == "cuda" and worker.engine_sleep != "never"
+
+
+def held_bytes(worker: WorkerPlan, weights: int, activations: int, engines: int) -> int:
+    """What the device holds beside jobs' movable state at its peak: the trainer's frozen weights,
+    and its activation headroom and the engines' reservations, at once or, when the engines sleep
+    for training, the larger of the two."""
+    return weights + (max(activations, engines) if sleep_frees(worker) else activations + engines)
+
+
+def must_sleep(worker: WorkerPlan, state: int, weights: int, activations: int, engines: int) -> bool:
+    """Whether a training call must have the worker's engines asleep: always ("always", whatever the
+    device), or ("auto") when the resident ``state``, the frozen ``weights``, the ``activations``
+    and the awake ``engines`` together exceed the device."""
+    if worker.sampler != "vllm" or engines == 0 or worker.engine_sleep == "never":
+        return False
+    if worker.engine_sleep == "always":
+        return True
+    return sleep_frees(worker) and state + weights + activations + engines > free_bytes(worker)
+
+
+def sleep_level(worker: WorkerPlan, engines: int) -> int:
+    """The level the engines sleep at: 1 (weights offloaded to the host, copied back on wake) when
+    the host's memory holds twice their reservations, else 2 (weights dropped; a wake loads the
+    trainer's current copy)."""
+    return 1 if 2 * engines <= worker.host_bytes else 2
 
 
 def refusal(worker: WorkerPlan, job: JobShape, fp: Footprint) -> str | None:
@@ -240,10 +286,14 @@ def refusal(worker: WorkerPlan, job: JobShape, fp: Footprint) -> str | None:
                 f"sequence's KV) but --gpu-memory-utilization {worker.gpu_memory_utilization} reserves "
                 f"{gib(has)}: raise it, or lower --max-model-len / --max-loras"
             )
-    total = fp.state + fp.pinned + fp.base
+    parts = fp.parts
+    total = fp.state + held_bytes(
+        worker, parts["base weights"], parts["activations"], parts["shared engine"] + parts["own engine"]
+    )
     if total > free_bytes(worker):
-        parts = ", ".join(f"{k} {gib(v)}" for k, v in fp.parts.items() if v)
-        return f"it needs {gib(total)} ({parts}) and the device has {gib(free_bytes(worker))} for jobs"
+        named = ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v)
+        sleeping = ", its engines asleep while it trains" if sleep_frees(worker) else ""
+        return f"it needs {gib(total)} ({named}{sleeping}) and the device has {gib(free_bytes(worker))} for jobs"
     return None
 
 

@@ -19,7 +19,7 @@ DEVICES_PID, JOBS_PID = 1, 2
 class Span(msgspec.Struct, frozen=True):
     device: str  # the worker (a simulated device) that ran the call; "": none (a tool wait, job track only)
     job: str
-    kind: str  # generate, forward_backward, optim_step, ..., swap_to_device / swap_to_host, tool
+    kind: str  # generate, forward_backward, optim_step, ..., swap_to_device / swap_to_host, sleep / wake, tool
     start_s: float  # seconds since the run (the coordinator) started
     end_s: float
     queued_s: float = 0.0  # waited at the coordinator before start_s
@@ -93,7 +93,7 @@ def plot(spans: list[Span], path: str, title: str = "plexrl") -> None:
         style: dict[str, Any] = {"color": colour[s.job]}
         if s.kind == "tool":
             style = {"facecolor": "none", "edgecolor": "grey", "hatch": "///"}
-        elif s.kind.startswith("swap_to_"):
+        elif s.kind.startswith("swap_to_") or s.kind in ("sleep", "wake"):
             style = {"color": "black"}
         if s.device:
             ax.broken_barh(bar, (row[f"device {s.device}"] - 0.4, 0.8), **style)
@@ -101,7 +101,9 @@ def plot(spans: list[Span], path: str, title: str = "plexrl") -> None:
     ax.set_yticks(range(len(tracks)), tracks, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the coordinator started")
-    ax.set_title(f"{title}: calls per device and per job (grey hatching: tool waits; black: state moves)")
+    ax.set_title(
+        f"{title}: calls per device and per job (grey hatching: tool waits; black: state moves, engines' sleeps and wakes)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

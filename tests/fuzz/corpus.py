@@ -17,7 +17,7 @@ from plexrl.types import Batch, Ragged, SamplingParams
 
 def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusRequest | m.Reattach | m.Heartbeat
                         | m.Register | m.CallDone | m.ErrorReply | m.StateMoved | m.Execute | m.MoveState
-                        | m.Shutdown | m.Welcome | m.TraceRequest | m.TraceReply | m.FetchWeights
+                        | m.MoveEngines | m.EnginesMoved | m.Shutdown | m.Welcome | m.TraceRequest | m.TraceReply | m.FetchWeights
                         | m.Weights]:  # fmt: skip
     """One real message of every kind (arrays in frames of their own and inline, nested calls)."""
     rows = Ragged.from_rows([np.arange(300) % 60, np.arange(5)], "int32")
@@ -53,6 +53,8 @@ def messages() -> list[m.Hello | m.OpenJob | m.Submit | m.Cancel | m.StatusReque
         m.Execute(rid=21, job_id="j-1", call=calls.SetWeights(weight_version=2, source=source, exported_at=1.5)),
         m.FetchWeights(rid=22, job_id="j-1", weight_version=2, token=b"t" * 16),
         m.Weights(rid=23, tensors={"w": np.ones(4, np.float32), "big": np.zeros(600, np.float32)}),
+        m.MoveEngines(rid=24, to="asleep", level=2),
+        m.EnginesMoved(rid=25, to="awake", seconds=0.5, error=""),
     ]  # fmt: skip
     return messages
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from plexrl.coordinator.events import (
@@ -36,6 +37,7 @@ from plexrl.plan import (
 QWEN3_1_7B = ModelShape.of(QWEN3_CONFIGS["1.7B"])
 QWEN3_8B = ModelShape.of(QWEN3_CONFIGS["8B"])
 H100 = WorkerPlan(capacity_bytes=80 * GiB, device_type="cuda", dtype="bfloat16", sampler="vllm")
+AWAKE_H100 = msgspec.structs.replace(H100, engine_sleep="never")  # its engines hold their memory throughout
 
 
 def test_the_shapes_give_the_published_parameter_counts() -> None:
@@ -49,9 +51,12 @@ def test_a_lora_job_holds_16_bytes_per_trained_parameter_and_its_base_is_counted
     fp = footprint(H100, job)
     assert fp.state == 16 * QWEN3_8B.lora_params(8)
     assert fp.pinned == 0
-    base = QWEN3_8B.params * 2 + engine_bytes(H100, QWEN3_8B, lora=True) + activation_bytes(H100, QWEN3_8B, True)
-    assert fp.base == base
-    assert engine_bytes(H100, QWEN3_8B, lora=True) == int(0.3 * 80 * GiB)
+    weights, engine = QWEN3_8B.params * 2, engine_bytes(H100, QWEN3_8B, lora=True)
+    activations = activation_bytes(H100, QWEN3_8B, True)
+    assert engine == int(0.3 * 80 * GiB) and 0 < activations < engine
+    # Its engine sleeps while it trains, so the device holds the engine or the activations, not both.
+    assert fp.base == weights + engine
+    assert footprint(AWAKE_H100, job).base == weights + engine + activations
     assert refusal(H100, job, fp) is None
 
 
@@ -125,15 +130,29 @@ def test_a_base_model_is_counted_once_per_worker_and_released_with_its_last_job(
 
 
 def test_a_full_fine_tune_holds_its_engine_while_open_and_a_second_does_not_fit_beside_it() -> None:
+    """With engines that hold their memory while training, a second 1.7B full fine-tune's state
+    fits nowhere beside the first's engine; with engines that sleep, it fits (its state taking
+    turns with the first's on the device)."""
     s = Scheduler("plex")
-    _worker(s, "w0", H100)
+    _worker(s, "w0", AWAKE_H100)
     full = JobShape(QWEN3_1_7B)
-    fp = footprint(H100, full)
+    fp = footprint(AWAKE_H100, full)
     assert s.handle(JobOpened("a", base="qwen3-1.7b", shape=full), 0.0) == [Place("a", "w0")]
-    assert s.budget("w0") == free_bytes(H100) - fp.base - fp.pinned
+    assert s.budget("w0") == free_bytes(AWAKE_H100) - fp.base - fp.pinned
+    assert fp.base == fp.parts["base weights"] + fp.parts["activations"]
     (fail,) = s.handle(JobOpened("b", base="qwen3-1.7b", shape=full), 0.0)
     assert isinstance(fail, Fail) and isinstance(fail.error, JobTooLargeError)
-    assert "job:a" in str(fail.error)  # what holds the device
+    assert "engine:job:a" in str(fail.error)  # what holds the device
+
+    s = Scheduler("plex")
+    _worker(s, "w0", H100)
+    assert s.handle(JobOpened("a", base="qwen3-1.7b", shape=full), 0.0) == [Place("a", "w0")]
+    # The weights, and both engines or the activations, whichever is larger.
+    parts = fp.parts
+    assert s.budget("w0") == free_bytes(H100) - parts["base weights"] - max(parts["own engine"], parts["activations"])
+    assert s.handle(JobOpened("b", base="qwen3-1.7b", shape=full), 0.0) == [Place("b", "w0")]
+    assert s.budget("w0") == free_bytes(H100) - parts["base weights"] - 2 * parts["own engine"]
+    assert s.used_bytes("w0") == fp.state  # b's state waits in host memory for a's to move out
 
 
 def test_an_explicit_budget_caps_jobs_state_below_the_plans_room() -> None:

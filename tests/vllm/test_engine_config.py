@@ -109,6 +109,7 @@ def gpu_sampler() -> Iterator[tuple[vllm_sampler.VllmSampler, RecordingAsyncLLM]
     """The sampler as it runs on a GPU (sleep mode on), over the recording engine."""
     sampler = object.__new__(vllm_sampler.VllmSampler)
     sampler.model_path, sampler.config = TINY_MODEL, vllm_sampler.VllmConfig()
+    sampler._tied_head = True  # the tiny model ties its output layer to its embeddings
     sampler.sleep_mode, sampler.sleeping, sampler.restore = True, None, None
     sampler._loop = asyncio.new_event_loop()
     sampler._thread = threading.Thread(target=sampler._loop.run_forever, daemon=True)

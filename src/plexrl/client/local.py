@@ -50,6 +50,7 @@ class LocalCluster:
         max_num_seqs: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        engine_sleep: str | None = None,
         checkpoint_root: str | os.PathLike[str] | None = None,
         client_timeout_s: float | None = None,
         client_grace_s: float | None = None,
@@ -86,6 +87,7 @@ class LocalCluster:
         self.max_num_seqs = max_num_seqs  # vLLM workers: sequences decoded at once (None: vLLM's default)
         self.max_loras = max_loras  # vLLM workers: adapters one batch may mix (None: the worker's default)
         self.max_lora_rank = max_lora_rank  # vLLM workers: the largest adapter rank (None: the worker's default)
+        self.engine_sleep = engine_sleep  # vLLM workers: --engine-sleep (None: the worker's default, auto)
         # Workers' checkpoint root; this script's jobs save under ROOT/local (None: the worker's default).
         self.checkpoint_root = checkpoint_root
         # Client leases (None: the coordinator's defaults): silent this long, a client's jobs are
@@ -247,6 +249,7 @@ class LocalCluster:
             *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
             *(["--max-loras", str(self.max_loras)] if self.max_loras else []),
             *(["--max-lora-rank", str(self.max_lora_rank)] if self.max_lora_rank else []),
+            *(["--engine-sleep", self.engine_sleep] if self.engine_sleep else []),
             *(["--sampler", self.sampler] if self.sampler else []),
             *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
             *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),

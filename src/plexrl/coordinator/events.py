@@ -145,6 +145,16 @@ class SwapDone:
 
 
 @dataclass(frozen=True, slots=True)
+class EnginesMoved:
+    """The worker finished the ``MoveEngines``: its vLLM engines are in the state it named
+    (``ok``), or stayed awake (the sleep or wake failed)."""
+
+    worker_id: str
+    seconds: float
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed with nothing else happening: re-check waiting jobs (the starvation bound)."""
 
@@ -161,6 +171,7 @@ Event = (
     | CallFinished
     | CallCancelled
     | SwapDone
+    | EnginesMoved
     | Tick
 )
 
@@ -228,6 +239,19 @@ class Swap:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveEngines:
+    """Put ``worker_id``'s vLLM engines to sleep at ``level`` (``to`` ``asleep``: its training needs
+    their memory) or wake them (``awake``: a call samples or changes what they serve); answer with
+    ``EnginesMoved``. Nothing that uses them runs there meanwhile."""
+
+    worker_id: str
+    to: str
+    level: int
+    engine_bytes: int  # their reservations, by the plan
+    job_id: str  # whose call asked for it (charged its seconds)
+
+
+@dataclass(frozen=True, slots=True)
 class MoveWorker:
     """The rebalancer moves ``worker_id`` to ``role``: it takes no new call of its old role from now
     on; once its running turns have ended, the server switches it (sleeps or wakes its sampler)
@@ -237,4 +261,4 @@ class MoveWorker:
     role: str
 
 
-Action = Place | Recover | Dispatch | Fail | Swap | MoveWorker
+Action = Place | Recover | Dispatch | Fail | Swap | MoveEngines | MoveWorker

@@ -43,12 +43,14 @@ from plexrl.coordinator.events import (
     CallFinished,
     CallSubmitted,
     Dispatch,
+    EnginesMoved,
     Event,
     Fail,
     JobClosed,
     JobOpened,
     JobResumed,
     JobSized,
+    MoveEngines,
     MoveWorker,
     Place,
     Recover,
@@ -63,9 +65,22 @@ from plexrl.coordinator.policies import POLICIES, Policy
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import JobClosedError, JobTooLargeError, NoWorkersError, PlexError, WorkerLostError
-from plexrl.plan import JobShape, WorkerPlan, footprint, free_bytes, gib, refusal
+from plexrl.plan import (
+    TRAINING_KINDS,
+    JobShape,
+    WorkerPlan,
+    footprint,
+    free_bytes,
+    gib,
+    held_bytes,
+    must_sleep,
+    refusal,
+    sleep_level,
+)
 
 # -- state -------------------------------------------------------------------------------------
+
+AWAKE, ASLEEP, TO_SLEEP, TO_WAKE = "awake", "asleep", "to_sleep", "to_wake"  # a worker's vLLM engines
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +113,47 @@ class _Worker:
     background_calls: frozenset[str] = frozenset()  # kinds it runs beside its other calls, in no trainer slot
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
     plan: WorkerPlan | None = None  # its device and settings (None: only memory_bytes bounds jobs' state)
-    # What its device holds beside jobs' movable state, by the plan: "base:PATH" (a base model's
-    # weights, shared engine and activation headroom, while a job of it lives here) and "job:ID"
-    # (a full fine-tune job's own engine).
+    # What its device holds beside jobs' movable state, by the plan, while a job of that base (or
+    # that job) lives here: "weights:PATH" (a base model's frozen weights), "activations:PATH"
+    # (the trainer's headroom for it), "engine:PATH" (the vLLM engine its LoRA jobs share) and
+    # "engine:job:ID" (a full fine-tune job's own engine).
     fixed: dict[str, int] = field(default_factory=dict)
+    engines: str = AWAKE  # its vLLM engines: AWAKE, ASLEEP, or on their way (TO_SLEEP, TO_WAKE)
+    engines_for: str = ""  # the job whose call their move in flight is for (charged its seconds)
+    engines_level: int = 0  # the level they sleep at now (while ASLEEP or on their way)
+    sleep_failed: bool = False  # a move of its engines failed: they stay awake from now on
+    engines_since: float = 0.0  # when they reached the state they are in
+    sleep_s: float = 0.0  # what their last sleep took (measured)
+    wake_s: float = 0.0  # and their last wake
+    wanted: str = ""  # the state a startable call needs them in, other than theirs ("": none)
+    wanted_for: str = ""  # that call's job
 
     def takes_trainer_slot(self, call: _Call) -> bool:
         return lane_of(call.kind) == TRAINER and call.kind not in self.background_calls
+
+    @property
+    def switch_s(self) -> float:
+        """What a round of its engines (a sleep and a wake) costs: how long they stay in a state
+        before calls needing the other one stop the calls needing it (each switch then costs at
+        most as much device time as it saves: ski rental)."""
+        return self.sleep_s + self.wake_s
+
+    def fixed_bytes(self, kind: str, fixed: dict[str, int] | None = None) -> int:
+        """What ``fixed`` (its own by default) holds of ``kind`` ("weights", "activations", "engine")."""
+        return sum(v for k, v in (self.fixed if fixed is None else fixed).items() if k.startswith(kind + ":"))
+
+    def held(self, fixed: dict[str, int] | None = None) -> int:
+        """What its device holds beside jobs' state at its peak (``plan.held_bytes``)."""
+        assert self.plan is not None
+        parts = (self.fixed_bytes(k, fixed) for k in ("weights", "activations", "engine"))
+        return held_bytes(self.plan, *parts)
+
+    def must_sleep(self) -> bool:
+        """A training call here needs its engines asleep (``plan.must_sleep``)."""
+        if self.plan is None or self.sleep_failed:
+            return False
+        parts = (self.fixed_bytes(k) for k in ("weights", "activations", "engine"))
+        return must_sleep(self.plan, self.used_bytes, *parts)
 
     @property
     def budget(self) -> float:
@@ -112,7 +161,7 @@ class _Worker:
         most ``memory_bytes``."""
         if self.plan is None:
             return self.memory_bytes
-        return min(self.memory_bytes, free_bytes(self.plan) - sum(self.fixed.values()))
+        return min(self.memory_bytes, free_bytes(self.plan) - self.held())
 
 
 SAMPLER, TRAINER = "sampler", "trainer"
@@ -234,7 +283,12 @@ class Scheduler:
     def has_waiting(self) -> bool:
         """Some job waits for its state to be moved in, or for a worker, or the rebalancer has pooled
         jobs to watch (a ``Tick`` may now matter)."""
-        return bool(self._waiting or self._homeless or (self.rebalancer is not None and self._pooled))
+        return bool(
+            self._waiting
+            or self._homeless
+            or (self.rebalancer is not None and self._pooled)
+            or any(w.wanted for w in self._workers.values())
+        )
 
     def queued_turns(self) -> int:
         """Pooled jobs' turns that could start now but wait for a rollout worker's slot."""
@@ -384,6 +438,8 @@ class Scheduler:
                 touched = self._group_swap_done(job_id, worker_id, seconds, moved_bytes, ok)
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 touched = [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
+            case EnginesMoved(worker_id, seconds, ok):
+                touched = [w for w in [self._engines_moved(worker_id, seconds, ok, now)] if w]
             case Tick():  # waiting jobs may hit their starvation bound; the rebalancer may move a worker
                 for job_id, (since, why) in sorted(self._homeless.items()):
                     if now - since >= self.recovery_wait_s:
@@ -395,6 +451,7 @@ class Scheduler:
                         )
                         actions += self._lose_job(job, gave_up, now)
                 homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
+                homes |= {w.worker_id for w in self._workers.values() if w.wanted}  # a switch may be due
                 for worker_id in sorted(homes & self._workers.keys()):
                     actions += self._dispatch(self._workers[worker_id], now)
                 if self.rebalancer is not None and self._pooled:
@@ -483,17 +540,19 @@ class Scheduler:
         if worker.plan is None or job.shape is None:
             return {}
         fp = footprint(worker.plan, job.shape)
-        adds = {f"job:{job.job_id}": fp.pinned} if fp.pinned else {}
-        if f"base:{job.base}" not in worker.fixed:
-            adds[f"base:{job.base}"] = fp.base
+        adds = {f"engine:job:{job.job_id}": fp.pinned} if fp.pinned else {}
+        if f"weights:{job.base}" not in worker.fixed:
+            adds[f"weights:{job.base}"] = fp.parts["base weights"]
+            adds[f"activations:{job.base}"] = fp.parts["activations"]
+            if fp.parts["shared engine"]:
+                adds[f"engine:{job.base}"] = fp.parts["shared engine"]
         return adds
 
     def _room_alone(self, worker: _Worker, job: _ScheduledJob) -> float:
         """The room ``job``'s movable state would have on ``worker`` with every other job's moved out."""
         if worker.plan is None:
             return worker.memory_bytes
-        fixed = sum(worker.fixed.values()) + sum(self._adds(worker, job).values())
-        return min(worker.memory_bytes, free_bytes(worker.plan) - fixed)
+        return min(worker.memory_bytes, free_bytes(worker.plan) - worker.held(worker.fixed | self._adds(worker, job)))
 
     def _home(self, worker: _Worker, job: _ScheduledJob) -> None:
         """Make ``worker`` the job's home: what it fixes there is counted, its state sized by the plan."""
@@ -506,9 +565,10 @@ class Scheduler:
     def _unhome(self, worker: _Worker, job: _ScheduledJob) -> None:
         """The job leaves ``worker``: what it fixed there is released (its base with its last job)."""
         worker.jobs.discard(job.job_id)
-        worker.fixed.pop(f"job:{job.job_id}", None)
+        worker.fixed.pop(f"engine:job:{job.job_id}", None)
         if not any(self._jobs[j].base == job.base for j in worker.jobs if j in self._jobs):
-            worker.fixed.pop(f"base:{job.base}", None)
+            for kind in ("weights", "activations", "engine"):
+                worker.fixed.pop(f"{kind}:{job.base}", None)
 
     def _too_large(self, job: _ScheduledJob, homes: list[_Worker]) -> NoWorkersError:
         """Why no worker can hold ``job``, with the plan's numbers."""
@@ -867,6 +927,11 @@ class Scheduler:
                     entries.append((job, turns))
         if len(entries) > 1:
             entries.sort(key=lambda e: self.policy.rank(self, worker, e[0], e[1][0], now))
+        # Its engines switch state when a call needs them in the other one: calls needing the state
+        # they are in stop starting once they have been in it as long as a switch round costs.
+        settled = worker.engines in (AWAKE, ASLEEP)
+        want, want_for = self._wanted(worker, entries)
+        draining = bool(want) and now - worker.engines_since >= worker.switch_s
         for job, startable in entries:
             if job.members:
                 actions += self._dispatch_group(job, startable, now)
@@ -879,7 +944,7 @@ class Scheduler:
             if job.rebuilding and first.kind != "restore":
                 continue  # its state exists nowhere until the restore (submitted next) makes it
             needs_state = self.needs_state(job, first.lane, worker)
-            room = worker.used_bytes + job.state.state_bytes <= worker.budget
+            room = self._room(worker, job.state.state_bytes)
             if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
                 # Its state does not exist yet: the open makes it on the device, so it needs room
                 # there, not a transfer (a move in would reach a worker that has nothing to move).
@@ -891,6 +956,11 @@ class Scheduler:
                         break
                     trains = worker.takes_trainer_slot(call)
                     if trains and len(worker.training) >= worker.trainer_slots:
+                        break
+                    need = self._engines_need(worker, call)
+                    if need and (not settled or need != worker.engines or draining):
+                        if settled and need != worker.engines and not want:
+                            want, want_for = need, job.job_id
                         break
                     if needs_state:
                         job.state.waiting_since_s = None
@@ -922,7 +992,89 @@ class Scheduler:
             victim = self._victim(worker, job, now)
             if victim is not None:
                 actions += self._evict(worker, victim)
+        worker.wanted, worker.wanted_for = want, want_for
+        if want and now - worker.engines_since >= worker.switch_s and not self._holds_engines(worker):
+            actions.append(self._move_engines(worker, want))
         return actions
+
+    # -- a worker's vLLM engines: asleep while its training needs their memory, awake to sample ----
+
+    def _engines_need(self, worker: _Worker, call: _Call) -> str:
+        """The state ``call`` needs ``worker``'s engines in ("": either). A training call needs them
+        asleep when the plan says it does not fit beside them; a save needs nothing of them; every
+        other call samples or changes what they serve, so it needs them awake."""
+        if call.kind in TRAINING_KINDS:
+            return ASLEEP if worker.must_sleep() else ""
+        return "" if call.kind == "save" or worker.plan is None else AWAKE
+
+    def _wanted(self, worker: _Worker, entries: list[tuple[_ScheduledJob, list[_Call]]]) -> tuple[str, str]:
+        """The other state than theirs that the first startable call (in rank order) needing one
+        needs ``worker``'s engines in, and its job; ("", "") if none."""
+        if worker.engines not in (AWAKE, ASLEEP):
+            return "", ""
+        for job, startable in entries:
+            first = startable[0]
+            if job.members or worker.gang or (job.rebuilding and first.kind != "restore"):
+                continue
+            if self.waits_for_move(job, first, worker):
+                continue
+            for call in startable:
+                need = self._engines_need(worker, call)
+                if need and need != worker.engines:
+                    return need, job.job_id
+        return "", ""
+
+    def _holds_engines(self, worker: _Worker) -> bool:
+        """A running call keeps ``worker``'s engines as they are: while awake, one that samples or
+        changes what they serve; while asleep, a training call (its activations use their memory)."""
+        for call_id in worker.running:
+            call = self._calls.get(call_id)
+            if call is None:
+                continue
+            training = call.kind in TRAINING_KINDS
+            if (worker.engines == ASLEEP and training) or (
+                worker.engines == AWAKE and not training and call.kind != "save"
+            ):
+                return True
+        return False
+
+    def _move_engines(self, worker: _Worker, to: str) -> MoveEngines:
+        assert worker.plan is not None  # only a planned worker's training asks for a sleep
+        engines = worker.fixed_bytes("engine")
+        if to == ASLEEP:
+            worker.engines_level = sleep_level(worker.plan, engines)
+        worker.engines = TO_SLEEP if to == ASLEEP else TO_WAKE
+        worker.engines_for, worker.wanted, worker.wanted_for = worker.wanted_for, "", ""
+        return MoveEngines(worker.worker_id, to, worker.engines_level, engines, worker.engines_for)
+
+    def _engines_moved(self, worker_id: str, seconds: float, ok: bool, now: float) -> str | None:
+        """A switch of ``worker_id``'s engines is done: charged to the job whose call asked for it,
+        like a state move. A failed one leaves them awake, and they are not put to sleep again."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.engines not in (TO_SLEEP, TO_WAKE):
+            return None
+        slept = worker.engines == TO_SLEEP
+        worker.engines = ASLEEP if slept and ok else AWAKE
+        worker.sleep_failed |= not ok
+        worker.engines_since = now
+        if slept:
+            worker.sleep_s = seconds
+        else:
+            worker.wake_s = seconds
+        self.ledger.swapped(worker.engines_for, worker.fixed_bytes("engine"), seconds)
+        worker.engines_for = ""
+        return worker_id
+
+    def _room(self, worker: _Worker, size: int) -> bool:
+        """Whether ``size`` more bytes of state fit ``worker``'s device now: within its budget, and,
+        while a training call runs beside its awake engines, beside both."""
+        if worker.used_bytes + size > worker.budget:
+            return False
+        if worker.plan is None or worker.engines == ASLEEP:
+            return True
+        training = any(c in self._calls and self._calls[c].kind in TRAINING_KINDS for c in worker.running)
+        both = sum(worker.fixed_bytes(k) for k in ("weights", "activations", "engine"))
+        return not training or worker.used_bytes + size + both <= free_bytes(worker.plan)
 
     def _turns_left_on(self, worker: _Worker) -> bool:
         """Whether a worker taken back for training still runs turns from its time in rollout."""

@@ -62,7 +62,7 @@ PROGRESSING = frozenset({"generate", "logprobs", "forward_backward", "optim_step
 # reattaching client hears); those that change what its sampler serves are also barriers.
 STATEFUL = (calls.ForwardBackward, calls.OptimStep, calls.SyncWeights, calls.Load)
 NEW_WEIGHTS = (calls.SyncWeights, calls.Load)
-_WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved)
+_WORKER_MESSAGES = (m.Register, m.CallDone, m.ErrorReply, m.StateMoved, m.EnginesMoved)
 _CLIENT_MESSAGES = (m.Hello, m.OpenJob, m.Submit, m.Cancel, m.StatusRequest, m.TraceRequest, m.Reattach)
 TRACE_SPANS = 100_000  # the most recent calls kept for `plexrl trace`
 
@@ -237,7 +237,8 @@ class Coordinator:
         self._worker_ids = itertools.count(0)
         self._job_ids = itertools.count(1)
         self._move_ids = itertools.count(1)
-        self._moves: dict[int, tuple[str, str]] = {}  # move id -> (worker, job) awaiting StateMoved
+        # move id -> (worker, job) awaiting StateMoved, or EnginesMoved (the job its engines move for)
+        self._moves: dict[int, tuple[str, str]] = {}
         # Rollout workers' replicas of pooled jobs: worker -> job -> the weight version it serves.
         self._replicas: dict[str, dict[str, int]] = collections.defaultdict(dict)
         self._replica_calls: dict[int, tuple[str, str]] = {}  # call id -> (worker, job) of a replica's open or weights
@@ -484,6 +485,8 @@ class Coordinator:
                 self._reattach(ident, rid, name, job_id, token)
             case m.StateMoved():
                 self._on_state_moved(worker_id, msg)
+            case m.EnginesMoved():
+                self._on_engines_moved(worker_id, msg)
             case m.CallDone() | m.ErrorReply():
                 if worker_id is None:
                     log.warning(
@@ -939,6 +942,23 @@ class Coordinator:
             self._record(job.owner, span)
         self._apply(ev.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
 
+    def _on_engines_moved(self, worker_id: str | None, msg: m.EnginesMoved) -> None:
+        move = self._moves.get(msg.rid)
+        if move is None or move[0] != worker_id:
+            log.warning("dropping EnginesMoved %d that no worker of ours owes", msg.rid)
+            return
+        del self._moves[msg.rid]
+        if msg.error:
+            log.error("worker %s could not put its engines %s: %s; they stay awake", worker_id, msg.to, msg.error)
+        job = self._jobs.get(move[1])
+        if job is not None and worker_id is not None:
+            now = time.monotonic() - self._clock_zero
+            name = "sleep" if msg.to == "asleep" else "wake"
+            span = Span(self._device_name(worker_id), job.job_id, name, now - msg.seconds, now,
+                        outcome="error" if msg.error else "ok")  # fmt: skip
+            self._record(job.owner, span)
+        self._apply(ev.EnginesMoved(worker_id or "", msg.seconds, ok=not msg.error))
+
     def _forget(self, rec: _CallRecord) -> None:
         if self._calls.pop(rec.call_id, None) is not None and rec.tenant:
             self._calls_of_tenant[rec.tenant] -= 1
@@ -990,6 +1010,10 @@ class Coordinator:
                 move_id = next(self._move_ids)
                 self._moves[move_id] = (worker_id, job_id)
                 self._send(self._workers[worker_id].ident, m.MoveState(rid=move_id, job_id=job_id, to=to))
+            case ev.MoveEngines(worker_id, to, level, _, job_id):
+                move_id = next(self._move_ids)
+                self._moves[move_id] = (worker_id, job_id)
+                self._send(self._workers[worker_id].ident, m.MoveEngines(rid=move_id, to=to, level=level))
             case ev.MoveWorker(worker_id, role):
                 log.info("worker %s moves to %s", worker_id, role)
                 self._workers[worker_id].moving = (role, self._now())

@@ -245,6 +245,14 @@ class StateMoved(Envelope, tag="state_moved", frozen=True):
     error: str = ""  # the move failed (the state stayed where it was)
 
 
+class EnginesMoved(Envelope, tag="engines_moved", frozen=True):
+    """The answer to ``MoveEngines``: what the sleep or wake took."""
+
+    to: str
+    seconds: float
+    error: str = ""  # it failed (the engines are taken to be awake)
+
+
 # -- coordinator -> worker ---------------------------------------------------------------------
 
 
@@ -266,6 +274,14 @@ class MoveState(Envelope, tag="move_state", frozen=True):
 
     job_id: str
     to: str
+
+
+class MoveEngines(Envelope, tag="move_engines", frozen=True):
+    """Put the worker's vLLM engines to sleep at ``level`` (``to`` ``asleep``) or wake them
+    (``awake``); answered by ``EnginesMoved``. No call that uses them runs meanwhile."""
+
+    to: str
+    level: int = 1
 
 
 class Abort(Envelope, tag="abort", frozen=True):
@@ -290,8 +306,8 @@ class Weights(Envelope, tag="weights", frozen=True):
 
 ClientToCoordinator = Hello | OpenJob | Submit | Cancel | StatusRequest | TraceRequest | Reattach | Heartbeat
 CoordinatorToClient = Welcome | CallDone | ErrorReply | StatusReply | TraceReply | Reattached | Heartbeat | Shutdown
-WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | Heartbeat
-CoordinatorToWorker = Registered | Execute | MoveState | Abort | Heartbeat | Shutdown
+WorkerToCoordinator = Register | CallDone | ErrorReply | StateMoved | EnginesMoved | Heartbeat
+CoordinatorToWorker = Registered | Execute | MoveState | MoveEngines | Abort | Heartbeat | Shutdown
 WorkerToWorker = FetchWeights | Weights | ErrorReply
 # The coordinator reads clients and workers on one ROUTER socket, so it decodes both unions.
 ToCoordinator = (
@@ -307,4 +323,5 @@ ToCoordinator = (
     | CallDone
     | ErrorReply
     | StateMoved
+    | EnginesMoved
 )

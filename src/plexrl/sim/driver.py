@@ -277,6 +277,11 @@ class Simulation:
                     self._swap_s += seconds
                     done = ev.SwapDone(job_id, seconds, worker_id=worker_id)
                     self._at(self.now + seconds, functools.partial(self._handle, done))
+                case ev.MoveEngines(worker_id, _, _, engine_bytes):  # a sleep or wake: their memory crosses once
+                    seconds = engine_bytes / self.swap_bytes_per_s
+                    self._swap_s += seconds
+                    moved = ev.EnginesMoved(worker_id, seconds)
+                    self._at(self.now + seconds, functools.partial(self._handle, moved))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))

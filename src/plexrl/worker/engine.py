@@ -116,6 +116,8 @@ class Engine:
             dtype=trainer.dtype,
             sampler=self.sampler,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
+            engine_sleep=vllm.engine_sleep,
+            host_bytes=memory.device_capacity(torch.device("cpu")),
             cpu_kv_cache_bytes=vllm.kv_cache_gib << 30,
             max_model_len=vllm.max_model_len or 1 << 30,
             max_loras=vllm.max_loras,
@@ -135,6 +137,9 @@ class Engine:
             return self._beside.submit(self._save, job_id, call)
         job = self._jobs.get(job_id)
         if isinstance(call, Generate) and job is not None and job.vllm is not None:
+            if job.vllm.sleeping:  # the scheduler wakes engines before a generate; this is the safety net
+                log.warning("job %s's generate found its engine asleep: waking it", job_id)
+                job.vllm.wake()
             # vLLM samples with its own copy of the weights: the trainer's state may stay in the host
             # store (and may be moving on the mover's thread meanwhile): nothing here touches it.
             return job.generate_async(call.prompts, call.params, priority)  # type: ignore[return-value]
@@ -153,6 +158,25 @@ class Engine:
                     sampler.sleep(0)
                     paused.callback(sampler.wake)
             yield
+
+    def move_engines(self, to: str, level: int) -> None:
+        """Put every vLLM engine of this worker to sleep at ``level`` (``to`` ``asleep``: the
+        scheduler's plan gives their memory to training) or wake them (``awake``). The scheduler
+        runs no call that uses them meanwhile. A sleep that fails part-way wakes those it slept."""
+        with self._lock:
+            engines = {id(s): s for s in [*self._vllm.values(), *(j.vllm for j in self._jobs.values() if j.vllm)]}
+        if to == "awake":
+            for sampler in engines.values():
+                sampler.wake()
+            return
+        if to != "asleep":
+            raise InvalidRequestError(f"engines cannot move {to!r}: choose 'asleep' or 'awake'")
+        with contextlib.ExitStack() as slept:
+            for sampler in engines.values():
+                if sampler.sleeping is None:
+                    sampler.sleep(level)
+                    slept.callback(sampler.wake)
+            slept.pop_all()  # all asleep: they stay so
 
     def close(self) -> None:
         self._beside.shutdown(wait=True, cancel_futures=True)
@@ -308,9 +332,9 @@ class Engine:
         return VllmSampler(model, self.device.type, self.vllm_config, lora=lora, progress=self.progress)
 
     def vllm_sampler(self, model: str) -> VllmSampler:
-        """The vLLM engine serving ``model``'s LoRA jobs on this worker (started on first use)."""
-        key = os.path.abspath(model)
+        """The vLLM engine serving ``model``'s LoRA jobs on this worker (its first LoRA job's open starts it)."""
         with self._lock:
-            if key not in self._vllm:
-                self._vllm[key] = self._new_sampler(model, lora=True)
-            return self._vllm[key]
+            sampler = self._vllm.get(os.path.abspath(model))
+        if sampler is None:
+            raise UnknownJobError(f"no LoRA job of {model!r} has opened on this engine: it has no vLLM engine for it")
+        return sampler

@@ -74,6 +74,10 @@ class CallEngine(Protocol):
         """Move the job's state to ``to`` (``device`` or ``host``); runs on the worker's move thread."""
         ...
 
+    def move_engines(self, to: str, level: int) -> None:
+        """Put its vLLM engines ``asleep`` at ``level`` or ``awake`` (the scheduler's ``MoveEngines``)."""
+        ...
+
     def plan(self) -> WorkerPlan:
         """Its device's capacity and the settings the coordinator's memory plan needs."""
         ...
@@ -109,6 +113,7 @@ class WorkerConfig:
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
     dtype: str = "auto"  # the compute dtype (auto: bfloat16 on a GPU, float32 on CPU)
     gpu_memory_utilization: float = 0.3  # vLLM on CUDA: each engine's reservation, a share of the GPU
+    engine_sleep: str = "auto"  # vLLM: whether its engines sleep while it trains (plan.ENGINE_SLEEP)
     max_model_len: int = 8192  # vLLM only: the longest prompt + completion (capped at the model's context)
     max_tokens_per_microbatch: int = 8192  # the trainer's padded tokens per forward/backward
     deterministic: bool = False  # torch's deterministic algorithms on CUDA (vLLM's batch invariance: the CLI's env)
@@ -180,6 +185,7 @@ class Worker:
             max_lora_rank=self.config.max_lora_rank,
             max_num_seqs=self.config.max_num_seqs,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
+            engine_sleep=self.config.engine_sleep,
             max_model_len=self.config.max_model_len,
         )
         trainer = TrainerSettings(
@@ -294,6 +300,8 @@ class Worker:
                 self._execute(sock, engine, msg)
             elif isinstance(msg, m.MoveState):
                 self._start_move(engine, msg)
+            elif isinstance(msg, m.MoveEngines):
+                sock.send_multipart(self._move_engines(engine, msg), copy=False)
             elif isinstance(msg, m.Abort) and msg.rid in self._running:
                 self._running[msg.rid].cancel()  # its done callback sends the CallAbortedError
             elif isinstance(msg, m.Abort):
@@ -360,6 +368,18 @@ class Worker:
                 version, tensors = engine.served_weights(job_id)
                 return msgspec.structs.replace(result, source=self._data.publish(job_id, version, tensors))
         return result
+
+    def _move_engines(self, engine: CallEngine, msg: m.MoveEngines) -> Frames:
+        """Sleep or wake the engines, on this thread (no call that uses them runs meanwhile)."""
+        start = time.perf_counter()
+        try:
+            engine.move_engines(msg.to, msg.level)
+            error = ""
+        except Exception as e:  # the coordinator takes them to be awake and sleeps them no more
+            log.exception("putting the engines %s failed", msg.to)
+            error = f"{type(e).__name__}: {e}"
+        done = m.EnginesMoved(rid=msg.rid, to=msg.to, seconds=time.perf_counter() - start, error=error)
+        return self._codec.encode(done)
 
     def _start_move(self, engine: CallEngine, msg: m.MoveState) -> None:
         move = self._moves.submit(engine.move, msg.job_id, msg.to)

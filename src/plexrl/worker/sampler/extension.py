@@ -28,8 +28,13 @@ class WorkerExtension:
     """Methods vLLM mixes into its worker (``worker_extension_cls``), called by ``collective_rpc``."""
 
     def plexrl_stage_adapter(self, lora_id: int, tensors: bytes, config: dict[str, Any]) -> None:
-        """Keep adapter ``lora_id``'s weights until vLLM loads it (an ``add_lora`` of its memory path)."""
+        """Keep adapter ``lora_id``'s weights for vLLM to load (an ``add_lora`` of its memory path),
+        until ``plexrl_unstage_adapter``: a reload of the base weights (a refit, a wake from a
+        level-2 sleep) drops every adapter vLLM holds, and it loads them again on their next use."""
         _staged[lora_id] = (tensors, config)
+
+    def plexrl_unstage_adapter(self, lora_id: int) -> None:
+        _staged.pop(lora_id, None)
 
     def plexrl_reload_weights(self, buckets: list[bytes]) -> None:
         """Replace the model's weights with those in ``buckets`` (safetensors blobs of a transformers
@@ -57,7 +62,7 @@ def _load_adapter(manager: Any, request: Any) -> Any:
     from safetensors.torch import load
     from vllm.lora.peft_helper import PEFTHelper
 
-    staged = _staged.pop(request.lora_int_id, None)
+    staged = _staged.get(request.lora_int_id)
     if staged is None:
         raise RuntimeError(f"adapter {request.lora_name} (id {request.lora_int_id}) was not staged in this process")
     tensors, config = staged

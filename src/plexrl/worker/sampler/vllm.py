@@ -80,6 +80,9 @@ class VllmConfig:
     # CUDA: the share of the GPU this engine reserves (weights, LoRA slots, KV); a worker has one per
     # base model and one per full fine-tune job, and the memory plan counts each (plexrl/plan.py).
     gpu_memory_utilization: float = 0.3
+    # Whether the engines sleep while the worker trains (plan.ENGINE_SLEEP: auto, always, never):
+    # the coordinator's scheduler decides when, from the memory plan (plexrl/plan.py).
+    engine_sleep: str = "auto"
     start_timeout_s: float = 600.0
     # CPU only: the engine process's nice value above the worker's. A worker's trainer and its
     # sampler share the cores; training then goes first and the requests that arrive meanwhile
@@ -98,14 +101,14 @@ def by_device(device: str, config: VllmConfig) -> tuple[dict[str, str], dict[str
     """Everything about an engine that differs by device, and nothing else: the environment its
     process starts with and the engine arguments that depend on the device. The sampler's code,
     vLLM's front end (``AsyncLLM``) and its engine-core process are the same on CPU and CUDA."""
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if device.startswith("cuda"):
-        return {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}, {
+        return env, {
             "gpu_memory_utilization": config.gpu_memory_utilization,  # the plan counts it (plexrl/plan.py)
             "enable_sleep_mode": True,  # a worker's engines give the GPU to training (sleep levels 1-2)
             "enforce_eager": False,  # CUDA graphs
         }
-    env = {
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    env |= {
         # The engine's KV cache (a CUDA engine sizes its own from gpu_memory_utilization).
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib)),
         # vLLM's CPU platform runs the model in the engine-core process only with this at 0 (it
@@ -146,6 +149,7 @@ class _EngineAdapters:
 
     async def unload(self, adapter: AdapterVersion) -> None:
         await self.engine.remove_lora(adapter.lora_id)
+        await self.engine.collective_rpc("plexrl_unstage_adapter", args=(adapter.lora_id,))
 
 
 def _progress_logger(progress: Progress, vllm_config: Any, engine_index: int = 0) -> Any:
@@ -186,7 +190,9 @@ class VllmSampler:
         self.model_path = model_path
         self.progress = progress or Progress()  # ticked on every engine step's outputs
         self.config = config or VllmConfig()
-        context = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+        model_config = json.loads((Path(model_path) / "config.json").read_text())
+        context = int(model_config["max_position_embeddings"])
+        self._tied_head = bool(model_config.get("tie_word_embeddings"))  # see refit
         self.max_model_len = min(context, self.config.max_model_len or context)
         self.lora = lora
         self._requests = itertools.count()
@@ -363,8 +369,7 @@ class VllmSampler:
         from memory in buckets (``extension.WorkerExtension.plexrl_reload_weights``), then clear the
         prefix cache: KV computed under the previous weights must not be reused."""
         tensors = dict(tensors)
-        config = json.loads((Path(self.model_path) / "config.json").read_text())
-        if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
+        if self._tied_head and "lm_head.weight" not in tensors:
             # The reload path updates a tied lm_head only when it is given explicitly (seen on CPU:
             # new embeddings, old output layer), so a tied model's head goes in as its own tensor.
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].detach().clone()

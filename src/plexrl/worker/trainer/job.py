@@ -428,18 +428,17 @@ class WorkerJob:
         return {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
 
     def served_weights(self) -> tuple[int, dict[str, np.ndarray]]:
-        """The weights its sampler serves and their version: the trainer's if it has not stepped
-        since they were published, else the copy a job with snapshots keeps."""
-        if self._published_step == self.step:
-            return self.weight_version, self._export()
-        if self._published is None:
-            raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
-        return self.weight_version, {k: t.numpy().copy() for k, t in self._published.items()}
+        """The weights its sampler serves and their version, as arrays (for another worker)."""
+        return self.weight_version, {k: t.detach().cpu().numpy().copy() for k, t in self.served_tensors().items()}
 
     def served_tensors(self) -> dict[str, Tensor]:
-        """The weights its sampler serves, as tensors (``served_weights``: a job that stepped since
-        its last sync keeps a copy of them only when it takes snapshots)."""
-        return {k: torch.from_numpy(v) for k, v in self.served_weights()[1].items()}
+        """The weights its sampler serves: the trainer's if it has not stepped since they were
+        published, else the copy a job with snapshots keeps (a job without one cannot say)."""
+        if self._published_step == self.step:
+            return {k: p.detach() for k, p in self.weights.trainer_params.items()}
+        if self._published is None:
+            raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
+        return dict(self._published)
 
     def set_weights(self, version: int, tensors: dict[str, np.ndarray]) -> Synced:
         """Serve ``tensors`` (another worker's trainer weights) as ``version``: a disaggregated
