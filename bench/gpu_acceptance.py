@@ -19,13 +19,16 @@ Prints, then one line per figure:
 - sync seconds per job kind (LoRA: an adapter staged in the engine; full: a refit), as the job's
   script waits for them;
 - generated tokens/s and trained tokens/s over the run's wall time (all jobs together);
-- swaps (jobs' state moved between device and host) and the seconds they took;
+- swaps (jobs' state moved between device and host, and the engines' sleeps and wakes) and the
+  seconds they took;
+- the engines' sleeps and wakes (``--engine-sleep``, default ``always``: the scheduler sleeps them
+  around every training phase, as colocated RL trainers do; ``auto``: only when training does not
+  fit beside them), their seconds, and from the coordinator's trace how many training calls ran
+  with the engines awake and generates with them asleep;
 - ``gpu_acceptance=pass`` or ``gpu_acceptance=fail`` with the reason. It passes when every job ran
   every step, every generate after a sync served the version that sync made, every job's loss is
-  finite, and the memory samples never exceeded the device.
-
-Sleep and wake seconds are printed once the worker drives vLLM's sleep levels by residency
-(issue 40, item 4); until then the line says the engines were paused, not slept.
+  finite, the memory samples never exceeded the device, no generate ran while the engines slept,
+  and (``always``) every training call ran while they slept.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Record:
     generated_tokens: int = 0
     trained_tokens: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
+    swaps: dict[str, tuple[int, float]] = field(default_factory=dict)  # by job: (swaps, seconds) charged it
     problems: list[str] = field(default_factory=list)
 
 
@@ -184,6 +188,8 @@ async def run_job(name: str, kind: str, model: Path, args: argparse.Namespace, s
                 record.problems.append(f"{name} step {step}: sync made version {synced.weight_version}")
             record.steps_done[name] = step + 1
             print(f"  {name:6} step {step + 1}/{args.steps}  {length:5d} tokens x {len(out.samples)}", flush=True)
+        stats = await job.stats()  # before it closes: what the coordinator charged it
+        record.swaps[name] = (stats.swaps, stats.swap_s)
 
 
 def plexrl_config(model: Path) -> dict[str, Any]:
@@ -198,7 +204,9 @@ async def main(args: argparse.Namespace) -> bool:
         print(f"building the model ({'tiny' if args.tiny else 'Qwen3-1.7B-shaped, bf16'}) ...", flush=True)
         model = build_model(Path(tmp), args.tiny)
         record = Record()
-        cluster = plexrl.local(workers=1, device=args.device, policy="plex", start_timeout_s=600)
+        cluster = plexrl.local(
+            workers=1, device=args.device, policy="plex", start_timeout_s=600, engine_sleep=args.engine_sleep
+        )
         async with cluster as client:
             (worker,) = (await client.status(min_workers=1)).workers
             sampler = MemorySampler(worker.pid, args.device, args.sample_s)
@@ -212,15 +220,47 @@ async def main(args: argparse.Namespace) -> bool:
             )
             wall = time.perf_counter() - t0
             sampler.stop()
-            status = await client.status()
+            spans = (await client.trace()).spans
         for (name, _), outcome in zip(jobs, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 record.problems.append(f"{name} failed: {type(outcome).__name__}: {outcome}")
-    return report(args, record, sampler, status, wall, time.perf_counter() - t_start)
+    return report(args, record, sampler, spans, wall, time.perf_counter() - t_start)
+
+
+TRAINING = ("forward_backward", "optim_step", "logprobs")
+
+
+def engine_checks(spans: list[Any]) -> tuple[dict[str, list[float]], int, int]:
+    """From the coordinator's trace: the engines' sleep and wake seconds, and how many training
+    calls ran while they were awake and generates while they slept (asleep: from a sleep's end to
+    the next wake's start; one worker)."""
+    seconds: dict[str, list[float]] = {"sleep": [], "wake": []}
+    asleep: list[tuple[float, float]] = []
+    for span in sorted((s for s in spans if s.kind in seconds), key=lambda s: s.start_s):
+        seconds[span.kind].append(span.end_s - span.start_s)
+        if span.kind == "sleep":
+            asleep.append((span.end_s, math.inf))
+        elif asleep and asleep[-1][1] == math.inf:
+            asleep[-1] = (asleep[-1][0], span.start_s)
+
+    def inside(s: Any) -> bool:
+        return any(a <= s.start_s and s.end_s <= b for a, b in asleep)
+
+    def overlaps(s: Any) -> bool:
+        return any(s.start_s < b and a < s.end_s for a, b in asleep)
+
+    awake_training = sum(1 for s in spans if s.kind in TRAINING and not inside(s))
+    asleep_generates = sum(1 for s in spans if s.kind == "generate" and overlaps(s))
+    return seconds, awake_training, asleep_generates
 
 
 def report(
-    args: argparse.Namespace, record: Record, sampler: MemorySampler, status: Any, wall: float, total: float
+    args: argparse.Namespace,
+    record: Record,
+    sampler: MemorySampler,
+    spans: list[Any],
+    wall: float,
+    total: float,
 ) -> bool:
     print(f"\n{'':2}{'figure':52} {'value':>12} unit")
 
@@ -243,9 +283,15 @@ def report(
                  f"[{min(times):.3f}-{max(times):.3f}]", "s")  # fmt: skip
     line("generated tokens/s (all jobs, run wall time)", record.generated_tokens / wall, "tokens/s")
     line("trained tokens/s (all jobs, run wall time)", record.trained_tokens / wall, "tokens/s")
-    line("swaps (jobs' state moved device<->host)", sum(j.swaps for j in status.jobs))
-    line("swap seconds", float(sum(j.swap_s for j in status.jobs)), "s")
-    line("sleep / wake seconds", "not driven", "(engines paused for training, not slept: issue 40 item 4)")
+    line("swaps (jobs' state device<->host, engines' sleeps and wakes)", sum(n for n, _ in record.swaps.values()))
+    line("swap seconds (charged to the jobs)", float(sum(t for _, t in record.swaps.values())), "s")
+    moves, awake_training, asleep_generates = engine_checks(spans)
+    for kind, times in moves.items():
+        value = f"{np.mean(times):.3f} [{min(times):.3f}-{max(times):.3f}]" if times else "none"
+        line(f"engine {kind} seconds (mean [min-max] of {len(times)})", value, "s")
+    slept = "(on CPU a sleep pauses the engine)" if not args.device.startswith("cuda") else ""
+    line(f"training calls with the engines awake (--engine-sleep {args.engine_sleep})", awake_training, slept)
+    line("generates with the engines asleep", asleep_generates)
     line("run wall time (jobs)", wall, "s")
     line("script wall time (model built, cluster started and stopped)", total, "s")
     expected = args.lora_jobs + args.full_jobs
@@ -258,6 +304,14 @@ def report(
         record.problems.append(f"memory peaked at {peaks['total'] / GiB:.1f} GiB, over the device's capacity")
     if not sampler.samples:
         record.problems.append("no memory sample was taken")
+    if moves["sleep"] and not any(n for n, _ in record.swaps.values()):
+        record.problems.append("the engines slept, but no job was charged a sleep or a wake")
+    if asleep_generates:
+        record.problems.append(f"{asleep_generates} generates ran while the engines slept")
+    if args.engine_sleep == "always" and (awake_training or not moves["sleep"]):
+        record.problems.append(
+            f"{awake_training} training calls ran with the engines awake under --engine-sleep always"
+        )
     ok = not record.problems
     reason = "every job ran every step on the versions its syncs made" if ok else "; ".join(record.problems[:5])
     print(f"\ngpu_acceptance={'pass' if ok else 'fail'} ({reason})", flush=True)
@@ -276,6 +330,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-tokens", type=int, default=None, help="the length most steps sample (default 64; --tiny: 4)")
     p.add_argument("--max-tokens", type=int, default=None, help="the tail's cap (default 1024; --tiny: 32)")
     p.add_argument("--sample-s", type=float, default=0.5, help="memory sampling interval")
+    p.add_argument(
+        "--engine-sleep",
+        choices=["always", "auto", "never"],
+        default="always",
+        help="the worker's --engine-sleep (always: the engines sleep around every training phase)",
+    )
     args = p.parse_args(argv)
     defaults = {"steps": (4, 2), "prompts": (8, 2), "group": (8, 4), "min_tokens": (64, 4), "max_tokens": (1024, 32)}
     for name, (full, tiny) in defaults.items():

@@ -5,6 +5,7 @@ session runs is known to work before a GPU is lent."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,10 @@ def test_the_gpu_acceptance_script_passes_its_dry_run_on_cpu() -> None:
     for figure in ("peak memory: worker", "peak memory: engine", "sync seconds, lora", "sync seconds, full",
                    "generated tokens/s", "trained tokens/s", "swaps"):  # fmt: skip
         assert figure in out, figure
+    # The engines slept around every training phase (--engine-sleep always, its default) and woke
+    # before every generate, as the coordinator's trace shows.
+    sleeps = re.search(r"engine sleep seconds \(mean \[min-max\] of (\d+)\)", out)
+    wakes = re.search(r"engine wake seconds \(mean \[min-max\] of (\d+)\)", out)
+    assert sleeps and wakes and int(sleeps[1]) > 0 and int(wakes[1]) > 0, out[-4000:]
+    assert re.search(r"training calls with the engines awake \(--engine-sleep always\) +0 ", out), out[-4000:]
+    assert re.search(r"generates with the engines asleep +0", out), out[-4000:]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from plexrl.errors import InvalidRequestError
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.protocol.calls import (
     Call,
@@ -280,8 +281,8 @@ def test_sleep_on_cpu_pauses_sampling_and_wake_resumes_it(engines: tuple[Engine,
     assert first is not None
     want = first.result(timeout=120)
     sampler.sleep(1)
-    paused = vllm.start("add", call)
-    assert paused is not None
+    # Past the engine's safety net (which wakes an engine a generate finds asleep), to the job's sampler.
+    paused = vllm._job("add").generate_async(call.prompts, call.params, 0)
     time.sleep(2.0)  # ample time for the call to finish, were the scheduler running
     assert not paused.done()
     assert sampler.wake()
@@ -308,6 +309,42 @@ def test_an_exclusive_call_pauses_the_engines_sampling_and_its_requests_go_on_af
     got = kept.result(timeout=120)
     assert isinstance(got, Generated) and isinstance(want, Generated)
     _assert_same(got, want)
+
+
+def test_engines_the_scheduler_puts_to_sleep_serve_the_same_tokens_once_awake(engines: tuple[Engine, Engine]) -> None:
+    """A worker's ``MoveEngines``: every engine sleeps (on CPU: pauses) and wakes; a generate that
+    finds its engine asleep (the scheduler wakes engines first) wakes it rather than wait."""
+    vllm, _ = engines
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    calls = {job: Generate(prompts=_prompts("5+6=", "4*4="), params=GREEDY) for job in JOBS}
+    vllm.move_engines("asleep", 1)
+    assert sampler.sleeping == 1
+    vllm.move_engines("awake", 1)
+    assert sampler.sleeping is None
+    out_v, out_h = _both(engines, calls)
+    for job in JOBS:
+        _assert_same(out_v[job], out_h[job])
+    vllm.move_engines("asleep", 1)
+    late = vllm.start("add", calls["add"])
+    assert late is not None and sampler.sleeping is None
+    _assert_same(late.result(timeout=120), out_h["add"])  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="asleep"):
+        vllm.move_engines("sideways", 1)
+
+
+def test_adapters_load_again_after_the_engines_base_weights_are_reloaded(engines: tuple[Engine, Engine]) -> None:
+    """What a wake from a level-2 sleep does on a GPU: the base weights come back from the trainer's
+    copy (``restore``), and vLLM then drops every adapter it holds. They load again, from what the
+    engine's process keeps staged, and every job gets its own adapter's tokens."""
+    vllm, _ = engines
+    sampler = vllm.vllm_sampler(TINY_MODEL)
+    calls = {job: Generate(prompts=_prompts("8+9=", "2*7="), params=GREEDY) for job in JOBS}
+    _both(engines, calls)  # every adapter loaded
+    assert sampler.restore is not None
+    sampler.refit(sampler.restore())
+    out_v, out_h = _both(engines, calls)
+    for job in JOBS:
+        _assert_same(out_v[job], out_h[job])
 
 
 async def test_jobs_through_a_vllm_worker_share_its_engine() -> None:

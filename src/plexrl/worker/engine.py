@@ -162,19 +162,24 @@ class Engine:
     def move_engines(self, to: str, level: int) -> None:
         """Put every vLLM engine of this worker to sleep at ``level`` (``to`` ``asleep``: the
         scheduler's plan gives their memory to training) or wake them (``awake``). The scheduler
-        runs no call that uses them meanwhile. A sleep that fails part-way wakes those it slept."""
+        runs no call that uses them meanwhile. A full fine-tune job's own engine sleeps at level 2
+        only if the job keeps a copy of the weights it serves (its trainer steps before the wake
+        that reloads them); else at level 1. A sleep that fails part-way wakes those it slept."""
         with self._lock:
-            engines = {id(s): s for s in [*self._vllm.values(), *(j.vllm for j in self._jobs.values() if j.vllm)]}
+            levels = {id(s): (s, level) for s in self._vllm.values()}  # LoRA engines: the base reloads them
+            for job in self._jobs.values():
+                if job.vllm is not None and job.key is None:
+                    levels[id(job.vllm)] = (job.vllm, level if job.keeps_served_weights else min(level, 1))
         if to == "awake":
-            for sampler in engines.values():
+            for sampler, _ in levels.values():
                 sampler.wake()
             return
         if to != "asleep":
             raise InvalidRequestError(f"engines cannot move {to!r}: choose 'asleep' or 'awake'")
         with contextlib.ExitStack() as slept:
-            for sampler in engines.values():
+            for sampler, at in levels.values():
                 if sampler.sleeping is None:
-                    sampler.sleep(level)
+                    sampler.sleep(at)
                     slept.callback(sampler.wake)
             slept.pop_all()  # all asleep: they stay so
 

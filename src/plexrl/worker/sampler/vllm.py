@@ -491,13 +491,17 @@ def _buckets(tensors: dict[str, torch.Tensor], dtype: torch.dtype, max_bytes: in
     tensor alone), converted one bucket at a time."""
     buckets: list[bytes] = []
     bucket: dict[str, torch.Tensor] = {}
-    size = 0
+    size, held = 0, set[int]()  # held: where the bucket's tensors lie in memory
     for name, t in tensors.items():
         nbytes = t.numel() * dtype.itemsize
         if bucket and size + nbytes > max_bytes:
             buckets.append(save(bucket))
-            bucket, size = {}, 0
-        bucket[name] = t.detach().to("cpu", dtype).contiguous()
+            bucket, size, held = {}, 0, set[int]()
+        converted = t.detach().to("cpu", dtype).contiguous()
+        if converted.data_ptr() in held:  # a tied output layer: safetensors refuses tensors sharing memory
+            converted = converted.clone()
+        held.add(converted.data_ptr())
+        bucket[name] = converted
         size += nbytes
     if bucket:
         buckets.append(save(bucket))

@@ -153,6 +153,12 @@ class WorkerJob:
             snapshots=self._published is not None,
         )
 
+    @property
+    def keeps_served_weights(self) -> bool:
+        """Whether it can always say what its sampler serves (``served_tensors``), even after its
+        trainer stepped on: only a job that takes snapshots keeps a copy."""
+        return self._published is not None
+
     def take_snapshots(self) -> None:
         """From now on keep a host copy of what the sampler serves, for ``snapshot`` (call it
         right after opening, while the sampler serves the trainer's initial weights)."""
