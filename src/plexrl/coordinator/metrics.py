@@ -1,7 +1,7 @@
 """The coordinator's Prometheus endpoint (``plexrl coordinator --metrics-port N``): what
 ``plexrl status`` shows an admin, as metrics, and every call's time queued and running.
 
-Names and labels are stable (README "Metrics" lists them). Gauges and counters are read from the
+Names and labels are stable (docs/cluster.md, "Metrics", lists them). Gauges and counters are read from the
 coordinator at scrape time, on its event loop (the HTTP server runs in a thread of its own);
 the call-latency histograms are observed as calls finish.
 """
