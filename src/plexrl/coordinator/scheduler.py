@@ -220,6 +220,17 @@ class _GroupMove:
     ok: bool = True
 
 
+@dataclass(slots=True)
+class _EngineGate:
+    """One dispatch pass's view of a worker's engines: settled in a state, draining the calls that
+    need it (a switch is due), and the state a call needs them in otherwise (its job: ``want_for``)."""
+
+    settled: bool
+    draining: bool
+    want: str
+    want_for: str
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     call_id: int
@@ -336,137 +347,186 @@ class Scheduler:
     # -- events ---------------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Action]:
-        actions: list[Action] = []
-        touched: list[str] = []  # the workers that may now start a call (dispatch looks only there)
+        """The actions ``event`` calls for: its own step's, then whatever the workers it touched
+        can start now (dispatch looks only there)."""
         match event:  # the frequent events first
-            case CallSubmitted(call_id, job_id, kind, priority, front, trajectory, signals):
-                level = self.trajectories.turn(job_id, trajectory, signals) if trajectory and kind == "generate" else 0
-                call = self._new_call(call_id, job_id, kind, priority, front, trajectory, level)
-                actions += self._submit(call, now)
-                touched = self._lane_workers(call)
-            case CallFinished(call_id, error):
-                done = self._calls.get(call_id)
-                ran = self._ran_on.get(call_id)
-                touched = [ran] if ran else self._lane_workers(done) if done is not None else []
-                touched = list(self._gangs[call_id][1]) if call_id in self._gangs else touched
-                started = self._started.pop(call_id, None)
-                if done is not None and done.trajectory and ran and started is not None:
-                    self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
-                self._finish(call_id, now)
-                job = self._jobs.get(done.job_id) if done is not None else None
-                rollout_starts = done is not None and done.kind in ("open", "restore", "sync_weights") and not error
-                if job is not None and job.pooled and self.rebalancer is not None and rollout_starts:
-                    self.rebalancer.rollout_started(job.job_id, now)
-                if done is not None and job is not None and error and done.kind in MAKES_STATE:
-                    if done.kind == "open":  # nothing of the job exists: its other calls fail
-                        actions += self._lose_job(job, JobClosedError(f"job {job.job_id} did not open: {error}"), now)
-                    else:
-                        reason = f"job {job.job_id} could not be restored on another worker ({error}); " + LOST
-                        actions += self._lose_job(job, WorkerLostError(reason), now)
-                # A barrier's end (or any call's, before a barrier) may free the other lane too.
-                for other in self._other_workers(done) if done is not None else []:
-                    if other not in touched and other in self._workers:
-                        actions += self._dispatch(self._workers[other], now)
-            case WorkerJoined() as joined:
-                worker = _Worker(joined.worker_id, max(1, joined.slots), joined.memory_bytes, joined.swap_bytes_per_s,
-                                 role=joined.role, bucket=joined.bucket, node=joined.node, index=joined.index,
-                                 stateless_generates=joined.stateless_generates, devices=max(1, joined.devices),
-                                 plan=joined.plan,
-                                 background_calls=frozenset(joined.background_calls))  # fmt: skip
-                worker.trainer_slots = joined.trainer_slots if joined.trainer_slots > 0 else worker.slots
-                self._workers[worker.worker_id] = worker
-                self._roles_changed(worker)
-                actions += self._rehome_waiting(now)
-                # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
-                touched = sorted(self._workers) if worker.role == "rollout" else [worker.worker_id]
-            case WorkerRole(worker_id, role, seconds):
-                moved = self._workers.get(worker_id)
-                if moved is not None and seconds > 0 and self.rebalancer is not None:
-                    self.rebalancer.moved(seconds)
-                if moved is not None and (role != moved.role or moved.moving_to):
-                    moved.role, moved.moving_to = role, ""  # the move is over (or an operator overrides it)
-                    self._roles_changed(moved)  # its running calls finish where they are
-                    if role != "rollout":
-                        actions += self._rehome_waiting(now)
-                    touched = sorted(self._workers)  # queued turns re-route
+            case CallSubmitted():
+                actions, touched = self._on_call_submitted(event, now)
+            case CallFinished():
+                actions, touched = self._on_call_finished(event, now)
+            case WorkerJoined():
+                actions, touched = self._on_worker_joined(event, now)
+            case WorkerRole():
+                actions, touched = self._on_worker_role(event, now)
             case WorkerLost(worker_id, reason):
-                actions += self._lose_worker(worker_id, reason, now)
-            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled, devices) if devices != 1:
-                actions += self._place_group(job_id, state_bytes, weight, base, devices, disaggregated or pooled, now)
-            case JobOpened(job_id, state_bytes, weight, base, disaggregated, pooled, _, shape):
-                actions += self._place(job_id, state_bytes, weight, base, disaggregated, now, shape)
-                if pooled and job_id in self._jobs:
-                    self._jobs[job_id].pooled = True
-                    self._pooled.add(job_id)
-            case JobResumed(job_id, state_bytes, weight, base):
-                job = _ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight, base=base)
-                job.recoverable = job.rebuilding = True
-                self._jobs[job_id] = job
-                self.ledger.job_opened(job_id, now)
-                self._homeless[job_id] = (now, f"job {job_id} was resumed from the journal of a restarted coordinator")
-                actions += self._rehome(job, now) or [Recover(job_id, "", restore=False)]
+                actions, touched = self._lose_worker(worker_id, reason, now), []
+            case JobOpened():
+                actions, touched = self._on_job_opened(event, now), []
+            case JobResumed():
+                actions, touched = self._on_job_resumed(event, now), []
             case JobSized(job_id, state_bytes, recoverable):
                 if job_id in self._jobs:
                     self._jobs[job_id].recoverable = recoverable
-                touched = [w for w in [self._resize(job_id, state_bytes)] if w]
-            case JobClosed(job_id):
-                job = self._jobs.get(job_id)
-                if job is not None and job.unfinished:  # nothing is left to run them on
-                    actions += self._lose_job(job, JobClosedError(f"job {job_id} was closed before the call ran"), now)
-                self._homeless.pop(job_id, None)
-                self._pooled.discard(job_id)
-                self.trajectories.forget(job_id)
-                if self.rebalancer is not None:
-                    self.rebalancer.forget(job_id)
-                self.ledger.job_closed(job_id, now)
-                self._waiting.discard(job_id)
-                job = self._jobs.pop(job_id, None)
-                if job and job.members:
-                    touched = self._disband(job, now)
-                    job = None
-                if job and job.sampler in self._workers:
-                    self._workers[job.sampler].samplers.discard(job_id)
-                if job and job.home in self._workers:
-                    worker = self._workers[job.home]
-                    self._unhome(worker, job)
-                    if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
-                        worker.used_bytes -= job.state.state_bytes
-                    touched = [job.home]
-                if self._homeless:  # a worker it held may take a waiting job now (dedicated)
-                    actions += self._rehome_waiting(now)
+                actions, touched = [], [w for w in [self._resize(job_id, state_bytes)] if w]
+            case JobClosed():
+                actions, touched = self._on_job_closed(event, now)
             case SwapDone(job_id, seconds, moved_bytes, ok, worker_id) if job_id in self._group_moves:
-                touched = self._group_swap_done(job_id, worker_id, seconds, moved_bytes, ok)
+                actions, touched = [], self._group_swap_done(job_id, worker_id, seconds, moved_bytes, ok)
             case SwapDone(job_id, seconds, moved_bytes, ok):
-                touched = [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
+                actions, touched = [], [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
             case EnginesMoved(worker_id, seconds, ok):
-                touched = [w for w in [self._engines_moved(worker_id, seconds, ok, now)] if w]
-            case Tick():  # waiting jobs may hit their starvation bound; the rebalancer may move a worker
-                for job_id, (since, why) in sorted(self._homeless.items()):
-                    if now - since >= self.recovery_wait_s:
-                        del self._homeless[job_id]
-                        job = self._jobs[job_id]
-                        opening = any(self._calls[c].kind == "open" for c in job.unfinished)
-                        gave_up = (NoWorkersError if opening else WorkerLostError)(
-                            f"{why}, and no worker could take it over within {self.recovery_wait_s:g} s"
-                        )
-                        actions += self._lose_job(job, gave_up, now)
-                homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
-                homes |= {w.worker_id for w in self._workers.values() if w.wanted}  # a switch may be due
-                for worker_id in sorted(homes & self._workers.keys()):
-                    actions += self._dispatch(self._workers[worker_id], now)
-                if self.rebalancer is not None and self._pooled:
-                    for worker_id, role in self.rebalancer.plan(self, now):
-                        actions += self._move_worker(self._workers[worker_id], role, now)
-            case CallCancelled(call_id):
-                cancelled = self._calls.get(call_id)
-                self._cancel(call_id)
-                group = self._jobs.get(cancelled.job_id) if cancelled is not None else None
-                if group is not None and group.members:  # its claim on the members may have no call left
-                    touched = self._unclaim(group)
+                actions, touched = [], [w for w in [self._engines_moved(worker_id, seconds, ok, now)] if w]
+            case Tick():
+                actions, touched = self._on_tick(now), []
+            case CallCancelled():
+                actions, touched = [], self._on_call_cancelled(event)
         for worker_id in touched:
             if worker_id in self._workers:
                 actions += self._dispatch(self._workers[worker_id], now)
         return actions
+
+    def _on_call_submitted(self, event: CallSubmitted, now: float) -> tuple[list[Action], list[str]]:
+        job_id, kind, trajectory = event.job_id, event.kind, event.trajectory
+        level = self.trajectories.turn(job_id, trajectory, event.signals) if trajectory and kind == "generate" else 0
+        call = self._new_call(event.call_id, job_id, kind, event.priority, event.front, trajectory, level)
+        return self._submit(call, now), self._lane_workers(call)
+
+    def _on_call_finished(self, event: CallFinished, now: float) -> tuple[list[Action], list[str]]:
+        call_id, error = event.call_id, event.error
+        actions: list[Action] = []
+        done = self._calls.get(call_id)
+        ran = self._ran_on.get(call_id)
+        touched = [ran] if ran else self._lane_workers(done) if done is not None else []
+        touched = list(self._gangs[call_id][1]) if call_id in self._gangs else touched
+        started = self._started.pop(call_id, None)
+        if done is not None and done.trajectory and ran and started is not None:
+            self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
+        self._finish(call_id, now)
+        if done is None:
+            return actions, touched
+        job = self._jobs.get(done.job_id)
+        rollout_starts = done.kind in ("open", "restore", "sync_weights") and not error
+        if job is not None and job.pooled and self.rebalancer is not None and rollout_starts:
+            self.rebalancer.rollout_started(job.job_id, now)
+        if job is not None and error and done.kind in MAKES_STATE:
+            if done.kind == "open":  # nothing of the job exists: its other calls fail
+                actions += self._lose_job(job, JobClosedError(f"job {job.job_id} did not open: {error}"), now)
+            else:
+                reason = f"job {job.job_id} could not be restored on another worker ({error}); " + LOST
+                actions += self._lose_job(job, WorkerLostError(reason), now)
+        # A barrier's end (or any call's, before a barrier) may free the other lane too.
+        for other in self._other_workers(done):
+            if other not in touched and other in self._workers:
+                actions += self._dispatch(self._workers[other], now)
+        return actions, touched
+
+    def _on_worker_joined(self, joined: WorkerJoined, now: float) -> tuple[list[Action], list[str]]:
+        worker = _Worker(joined.worker_id, max(1, joined.slots), joined.memory_bytes, joined.swap_bytes_per_s,
+                         role=joined.role, bucket=joined.bucket, node=joined.node, index=joined.index,
+                         stateless_generates=joined.stateless_generates, devices=max(1, joined.devices),
+                         plan=joined.plan, background_calls=frozenset(joined.background_calls))  # fmt: skip
+        worker.trainer_slots = joined.trainer_slots if joined.trainer_slots > 0 else worker.slots
+        self._workers[worker.worker_id] = worker
+        self._roles_changed(worker)
+        # The first rollout worker (or a new bucket) takes turns queued on homes (or elsewhere).
+        touched = sorted(self._workers) if worker.role == "rollout" else [worker.worker_id]
+        return self._rehome_waiting(now), touched
+
+    def _on_worker_role(self, event: WorkerRole, now: float) -> tuple[list[Action], list[str]]:
+        moved = self._workers.get(event.worker_id)
+        if moved is None:
+            return [], []
+        if event.seconds > 0 and self.rebalancer is not None:
+            self.rebalancer.moved(event.seconds)
+        if event.role == moved.role and not moved.moving_to:
+            return [], []
+        moved.role, moved.moving_to = event.role, ""  # the move is over (or an operator overrides it)
+        self._roles_changed(moved)  # its running calls finish where they are
+        actions = self._rehome_waiting(now) if event.role != "rollout" else []
+        return actions, sorted(self._workers)  # queued turns re-route
+
+    def _on_job_opened(self, event: JobOpened, now: float) -> list[Action]:
+        job_id, pooled = event.job_id, event.pooled
+        if event.devices != 1:
+            return self._place_group(
+                job_id, event.state_bytes, event.weight, event.base, event.devices, event.disaggregated or pooled, now
+            )
+        actions = self._place(
+            job_id, event.state_bytes, event.weight, event.base, event.disaggregated, now, event.shape
+        )
+        if pooled and job_id in self._jobs:
+            self._jobs[job_id].pooled = True
+            self._pooled.add(job_id)
+        return actions
+
+    def _on_job_resumed(self, event: JobResumed, now: float) -> list[Action]:
+        job_id = event.job_id
+        job = _ScheduledJob(job_id, "", Residency(event.state_bytes, rs.HOST), weight=event.weight, base=event.base)
+        job.recoverable = job.rebuilding = True
+        self._jobs[job_id] = job
+        self.ledger.job_opened(job_id, now)
+        self._homeless[job_id] = (now, f"job {job_id} was resumed from the journal of a restarted coordinator")
+        return self._rehome(job, now) or [Recover(job_id, "", restore=False)]
+
+    def _on_job_closed(self, event: JobClosed, now: float) -> tuple[list[Action], list[str]]:
+        job_id = event.job_id
+        actions: list[Action] = []
+        touched: list[str] = []
+        job = self._jobs.get(job_id)
+        if job is not None and job.unfinished:  # nothing is left to run them on
+            actions += self._lose_job(job, JobClosedError(f"job {job_id} was closed before the call ran"), now)
+        self._homeless.pop(job_id, None)
+        self._pooled.discard(job_id)
+        self.trajectories.forget(job_id)
+        if self.rebalancer is not None:
+            self.rebalancer.forget(job_id)
+        self.ledger.job_closed(job_id, now)
+        self._waiting.discard(job_id)
+        job = self._jobs.pop(job_id, None)
+        if job and job.members:
+            touched = self._disband(job, now)
+            job = None
+        if job and job.sampler in self._workers:
+            self._workers[job.sampler].samplers.discard(job_id)
+        if job and job.home in self._workers:
+            worker = self._workers[job.home]
+            self._unhome(worker, job)
+            if job.state.tier == rs.DEVICE:  # state in transit is settled by its SwapDone
+                worker.used_bytes -= job.state.state_bytes
+            touched = [job.home]
+        if self._homeless:  # a worker it held may take a waiting job now (dedicated)
+            actions += self._rehome_waiting(now)
+        return actions, touched
+
+    def _on_tick(self, now: float) -> list[Action]:
+        """Waiting jobs may hit their starvation bound (or homeless ones their recovery wait), an
+        engines' switch may be due, and the rebalancer may move a worker."""
+        actions: list[Action] = []
+        for job_id, (since, why) in sorted(self._homeless.items()):
+            if now - since >= self.recovery_wait_s:
+                del self._homeless[job_id]
+                job = self._jobs[job_id]
+                opening = any(self._calls[c].kind == "open" for c in job.unfinished)
+                gave_up = (NoWorkersError if opening else WorkerLostError)(
+                    f"{why}, and no worker could take it over within {self.recovery_wait_s:g} s"
+                )
+                actions += self._lose_job(job, gave_up, now)
+        homes = {self._jobs[j].home for j in self._waiting if j in self._jobs}
+        homes |= {w.worker_id for w in self._workers.values() if w.wanted}
+        for worker_id in sorted(homes & self._workers.keys()):
+            actions += self._dispatch(self._workers[worker_id], now)
+        if self.rebalancer is not None and self._pooled:
+            for worker_id, role in self.rebalancer.plan(self, now):
+                actions += self._move_worker(self._workers[worker_id], role, now)
+        return actions
+
+    def _on_call_cancelled(self, event: CallCancelled) -> list[str]:
+        cancelled = self._calls.get(event.call_id)
+        self._cancel(event.call_id)
+        group = self._jobs.get(cancelled.job_id) if cancelled is not None else None
+        if group is not None and group.members:  # its claim on the members may have no call left
+            return self._unclaim(group)
+        return []
 
     def _place(
         self,
@@ -902,12 +962,47 @@ class Scheduler:
         return actions
 
     def _dispatch(self, worker: _Worker, now: float) -> list[Action]:
-        """Start what ``worker`` can start, and move state in or out for what cannot start yet."""
+        """Start what ``worker`` can start, and move state in or out (or switch its engines) for
+        what cannot start yet."""
         actions: list[Action] = []
         if worker.used_bytes > worker.budget and worker.moving is None:  # a job outgrew the budget (or a base came)
             victim = self._victim(worker, None, now)
             if victim is not None:
                 actions += self._evict(worker, victim)
+        entries = self._entries(worker, now)
+        gate = self._engine_gate(worker, entries, now)
+        for job, startable in entries:
+            if job.members:
+                actions += self._dispatch_group(job, startable, now)
+                continue
+            if worker.gang:
+                continue  # a group claims the worker: its call runs here or waits for the worker to drain
+            # Lanes on the job's home need its state on the device (closing frees it wherever it
+            # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
+            first = startable[0]
+            if job.rebuilding and first.kind != "restore":
+                continue  # its state exists nowhere until the restore (submitted next) makes it
+            needs_state = self.needs_state(job, first.lane, worker)
+            room = self._room(worker, job.state.state_bytes)
+            if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
+                # Its state does not exist yet: the open makes it on the device, so it needs room
+                # there, not a transfer (a move in would reach a worker that has nothing to move).
+                job.state.tier = rs.DEVICE
+                worker.used_bytes += job.state.state_bytes
+            if self.waits_for_move(job, first, worker):
+                actions += self._bring_in(worker, job, room, now)
+                continue
+            for call in startable:
+                if not self._may_start(worker, job, call, gate):
+                    break
+                actions.append(self._start(worker, job, call, needs_state, now))
+        worker.wanted, worker.wanted_for = gate.want, gate.want_for
+        if gate.want and now - worker.engines_since >= worker.switch_s and not self._holds_engines(worker):
+            actions.append(self._move_engines(worker, gate.want))
+        return actions
+
+    def _entries(self, worker: _Worker, now: float) -> list[tuple[_ScheduledJob, list[_Call]]]:
+        """Each job's calls that may start on ``worker`` now, the jobs in the policy's order."""
         entries: list[tuple[_ScheduledJob, list[_Call]]] = []
         away = bool(self._rollout_ids)  # pooled jobs' turns run there
         for job_id in worker.jobs | worker.samplers:
@@ -927,75 +1022,64 @@ class Scheduler:
                     entries.append((job, turns))
         if len(entries) > 1:
             entries.sort(key=lambda e: self.policy.rank(self, worker, e[0], e[1][0], now))
-        # Its engines switch state when a call needs them in the other one: calls needing the state
-        # they are in stop starting once they have been in it as long as a switch round costs.
-        settled = worker.engines in (AWAKE, ASLEEP)
+        return entries
+
+    def _may_start(self, worker: _Worker, job: _ScheduledJob, call: _Call, gate: _EngineGate) -> bool:
+        """``call`` has a slot on ``worker`` (a trainer slot if it takes one) and its engines are in
+        the state it needs; a call needing the other state is noted in ``gate`` (the first one)."""
+        if len(worker.running) >= worker.slots:
+            return False
+        if worker.takes_trainer_slot(call) and len(worker.training) >= worker.trainer_slots:
+            return False
+        need = self._engines_need(worker, call)
+        if need and (not gate.settled or need != worker.engines or gate.draining):
+            if gate.settled and need != worker.engines and not gate.want:
+                gate.want, gate.want_for = need, job.job_id
+            return False
+        return True
+
+    def _start(self, worker: _Worker, job: _ScheduledJob, call: _Call, needs_state: bool, now: float) -> Dispatch:
+        """Run ``call`` on ``worker`` now: its slot taken, its start charged."""
+        if needs_state:
+            job.state.waiting_since_s = None
+            self._waiting.discard(job.job_id)
+        job.queues[call.lane].remove(call.call_id)
+        job.running[call.lane].add(call.call_id)
+        job.rebuilding &= call.kind != "restore"
+        worker.running.add(call.call_id)
+        self._ran_on[call.call_id] = worker.worker_id
+        if worker.takes_trainer_slot(call):
+            worker.training.add(call.call_id)
+        pooled_turn = job.pooled and call.lane == SAMPLER
+        if pooled_turn:
+            self._started[call.call_id] = now
+        self.ledger.call_started(worker.worker_id, job.job_id, now)
+        # A pooled turn's engine priority is its level (lower runs first): the MLFQ inside a bucket.
+        priority = call.level if pooled_turn else call.priority
+        exclusive = call.lane == TRAINER and self._turns_left_on(worker)
+        return Dispatch(call.call_id, worker.worker_id, priority, exclusive)
+
+    def _bring_in(self, worker: _Worker, job: _ScheduledJob, room: bool, now: float) -> list[Action]:
+        """``job``'s next call waits for its state: move it in if there is room, else move another
+        job's out if one should go (one transfer at a time per worker)."""
+        if job.state.waiting_since_s is None:
+            job.state.waiting_since_s = now
+            self._waiting.add(job.job_id)
+        if worker.moving is not None or job.state.tier != rs.HOST:
+            return []
+        if room:
+            return [self._move(worker, job, rs.DEVICE)]
+        victim = self._victim(worker, job, now)
+        return self._evict(worker, victim) if victim is not None else []
+
+    def _engine_gate(
+        self, worker: _Worker, entries: list[tuple[_ScheduledJob, list[_Call]]], now: float
+    ) -> _EngineGate:
+        """Its engines switch state when a call needs them in the other one: calls needing the state
+        they are in stop starting once they have been in it as long as a switch round costs."""
         want, want_for = self._wanted(worker, entries)
         draining = bool(want) and now - worker.engines_since >= worker.switch_s
-        for job, startable in entries:
-            if job.members:
-                actions += self._dispatch_group(job, startable, now)
-                continue
-            if worker.gang:
-                continue  # a group claims the worker: its call runs here or waits for the worker to drain
-            # Lanes on the job's home need its state on the device (closing frees it wherever it
-            # is); a disaggregated job's sampler lane runs on the replica of its sampler worker.
-            first = startable[0]
-            if job.rebuilding and first.kind != "restore":
-                continue  # its state exists nowhere until the restore (submitted next) makes it
-            needs_state = self.needs_state(job, first.lane, worker)
-            room = self._room(worker, job.state.state_bytes)
-            if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
-                # Its state does not exist yet: the open makes it on the device, so it needs room
-                # there, not a transfer (a move in would reach a worker that has nothing to move).
-                job.state.tier = rs.DEVICE
-                worker.used_bytes += job.state.state_bytes
-            if not self.waits_for_move(job, first, worker):
-                for call in startable:
-                    if len(worker.running) >= worker.slots:
-                        break
-                    trains = worker.takes_trainer_slot(call)
-                    if trains and len(worker.training) >= worker.trainer_slots:
-                        break
-                    need = self._engines_need(worker, call)
-                    if need and (not settled or need != worker.engines or draining):
-                        if settled and need != worker.engines and not want:
-                            want, want_for = need, job.job_id
-                        break
-                    if needs_state:
-                        job.state.waiting_since_s = None
-                        self._waiting.discard(job.job_id)
-                    job.queues[call.lane].remove(call.call_id)
-                    job.running[call.lane].add(call.call_id)
-                    job.rebuilding &= call.kind != "restore"
-                    worker.running.add(call.call_id)
-                    self._ran_on[call.call_id] = worker.worker_id
-                    if trains:
-                        worker.training.add(call.call_id)
-                    pooled_turn = job.pooled and call.lane == SAMPLER
-                    if pooled_turn:
-                        self._started[call.call_id] = now
-                    self.ledger.call_started(worker.worker_id, job.job_id, now)
-                    # A pooled turn's engine priority is its level (lower runs first): the MLFQ inside a bucket.
-                    priority = call.level if pooled_turn else call.priority
-                    exclusive = call.lane == TRAINER and self._turns_left_on(worker)
-                    actions.append(Dispatch(call.call_id, worker.worker_id, priority, exclusive))
-                continue
-            if job.state.waiting_since_s is None:
-                job.state.waiting_since_s = now
-                self._waiting.add(job.job_id)
-            if worker.moving is not None or job.state.tier != rs.HOST:
-                continue  # one transfer at a time per worker
-            if room:
-                actions.append(self._move(worker, job, rs.DEVICE))
-                continue
-            victim = self._victim(worker, job, now)
-            if victim is not None:
-                actions += self._evict(worker, victim)
-        worker.wanted, worker.wanted_for = want, want_for
-        if want and now - worker.engines_since >= worker.switch_s and not self._holds_engines(worker):
-            actions.append(self._move_engines(worker, want))
-        return actions
+        return _EngineGate(worker.engines in (AWAKE, ASLEEP), draining, want, want_for)
 
     # -- a worker's vLLM engines: asleep while its training needs their memory, awake to sample ----
 
