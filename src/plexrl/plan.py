@@ -30,6 +30,8 @@ from typing import Any
 
 import msgspec
 
+from plexrl.names import CallKind
+
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Float32 master weight, its gradient and AdamW's two moments.
@@ -241,7 +243,9 @@ def free_bytes(worker: WorkerPlan) -> int:
 
 
 ENGINE_SLEEP = ("auto", "always", "never")
-TRAINING_KINDS = frozenset({"forward_backward", "optim_step", "logprobs"})  # the calls that need activations
+TRAINING_KINDS: frozenset[CallKind] = frozenset(
+    {"forward_backward", "optim_step", "logprobs"}
+)  # the calls that need activations
 
 
 def sleep_frees(worker: WorkerPlan) -> bool:

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from plexrl.coordinator.buckets import Mlfq, Peers, Trajectories, Trajectory, bucket_for
 from plexrl.coordinator.events import (
-    ROLES,
     CallCancelled,
     CallFinished,
     CallSubmitted,
@@ -36,6 +35,7 @@ from plexrl.coordinator.policies import POLICIES
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
 from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
+from plexrl.names import ROLES
 
 
 def run(events: list) -> list:

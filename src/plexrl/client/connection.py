@@ -40,6 +40,7 @@ from plexrl.errors import (
     UnknownJobError,
     from_wire,
 )
+from plexrl.names import Placement
 from plexrl.plan import JobShape, ModelShape
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
@@ -284,7 +285,7 @@ class Client:
         return self.request(submit, expect_result(result_type), deadline)
 
     async def open_job(
-        self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: str = "colocated"
+        self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: Placement = "colocated"
     ) -> tuple[str, calls.Opened]:
         request = m.OpenJob(
             name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex(), shape=job_shape(spec)

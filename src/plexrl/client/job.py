@@ -23,6 +23,7 @@ import numpy as np
 from plexrl.client.connection import Client, current_client
 from plexrl.client.trajectory import Trajectory
 from plexrl.errors import InvalidRequestError, JobClosedError, NoJobContextError, PlexError, UnknownJobError
+from plexrl.names import Placement
 from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo, TurnOf
 from plexrl.rollout.pipeline import Reward, Rollout
@@ -227,7 +228,7 @@ async def job(
     optimizer: AdamW = AdamW(),
     seed: int = 0,
     weight: float = 1.0,
-    placement: str = "colocated",
+    placement: Placement = "colocated",
     max_staleness: int = 0,
     gradient_checkpointing: bool | None = None,
     client: Client | None = None,

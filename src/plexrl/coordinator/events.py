@@ -9,12 +9,10 @@ import math
 from dataclasses import dataclass
 
 from plexrl.errors import PlexError
+from plexrl.names import CallKind, EngineState, Role, Tier
 from plexrl.plan import JobShape, WorkerPlan
 
 # -- events (server -> scheduler) --------------------------------------------------------------
-
-
-ROLES = ("both", "rollout", "train")  # what a worker serves: homes and their generates; pooled turns; homes only
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +22,7 @@ class WorkerJoined:
     memory_bytes: float = math.inf  # device memory jobs' state may use at most (--memory-budget)
     swap_bytes_per_s: float = 10e9  # host<->device bandwidth, until measured transfers refine it
     trainer_slots: int = 0  # of ``slots``, how many may be calls other than generate; 0 = all
-    role: str = "both"  # "rollout": pooled jobs' turns only, no job's home (Libra); "train": homes only
+    role: Role = "both"  # "rollout": pooled jobs' turns only, no job's home (Libra); "train": homes only
     bucket: int = 0  # a rollout worker's bucket: the lowest trajectory level it serves (coordinator/buckets.py)
     node: str = ""  # its host (NVLink domain): a multi-device job's group lies within one ("": a node of its own)
     index: int = 0  # its device index on ``node``: groups are aligned blocks of indices (coordinator/groups.py)
@@ -47,7 +45,7 @@ class WorkerRole:
     where they are."""
 
     worker_id: str
-    role: str
+    role: Role
     seconds: float = 0.0
 
 
@@ -112,7 +110,7 @@ class TurnSignals:
 class CallSubmitted:
     call_id: int  # increasing in submission order
     job_id: str
-    kind: str  # "generate", "forward_backward", ...
+    kind: CallKind
     priority: int = 0  # generates: lower is admitted first (frontier groups)
     front: bool = False  # ahead of every unfinished call of the job (a ``restore``)
     trajectory: str = ""  # a generate that is a turn of this trajectory (pooled jobs route by it)
@@ -234,7 +232,7 @@ class Swap:
 
     job_id: str
     worker_id: str
-    to: str
+    to: Tier  # device or host
     state_bytes: int
 
 
@@ -245,7 +243,7 @@ class MoveEngines:
     ``EnginesMoved``. Nothing that uses them runs there meanwhile."""
 
     worker_id: str
-    to: str
+    to: EngineState  # asleep or awake
     level: int
     engine_bytes: int  # their reservations, by the plan
     job_id: str  # whose call asked for it (charged its seconds)
@@ -258,7 +256,7 @@ class MoveWorker:
     and answers with ``WorkerRole``. Its homes' trainer calls run on throughout."""
 
     worker_id: str
-    role: str
+    role: Role
 
 
 Action = Place | Recover | Dispatch | Fail | Swap | MoveEngines | MoveWorker

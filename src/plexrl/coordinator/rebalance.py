@@ -29,6 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from plexrl.names import Role
+
 if TYPE_CHECKING:
     from plexrl.coordinator.scheduler import Scheduler
 
@@ -72,9 +74,9 @@ class Rebalancer:
         mean, ran = self._phase_s.get(job_id), now - start
         return ran if mean is None else max(0.0, mean - ran)
 
-    def plan(self, s: Scheduler, now: float) -> list[tuple[str, str]]:
+    def plan(self, s: Scheduler, now: float) -> list[tuple[str, Role]]:
         """(worker, role) moves to make now."""
-        moves = []
+        moves: list[tuple[str, Role]] = []
         waiting = s.queued_turns() > 0 or s.rollout_load() >= LEND_LOAD
         rollout = sum(w.devices for w in s.workers() if w.role == "rollout" and not w.moving_to)
         for w in s.workers():

@@ -13,7 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEVICE, HOST, TO_DEVICE, TO_HOST = "device", "host", "to_device", "to_host"
+from plexrl.names import Tier
+
+DEVICE: Tier = "device"
+HOST: Tier = "host"
+TO_DEVICE: Tier = "to_device"
+TO_HOST: Tier = "to_host"
 GAP_EWMA = 0.5  # weight of the newest idle gap in a job's expected gap
 STARVATION_TRANSFERS = 20.0  # a waiting job may force a move after this many of its own transfer times
 
@@ -23,7 +28,7 @@ class Residency:
     """One job's state on its home worker."""
 
     state_bytes: int
-    tier: str = DEVICE
+    tier: Tier = DEVICE
     last_done_s: float | None = None  # when its last call finished (None: never ran)
     expected_gap_s: float | None = None  # EWMA of its idle gaps between calls; None: unknown
     waiting_since_s: float | None = None  # its next call is ready but its state is not resident

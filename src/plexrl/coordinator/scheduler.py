@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from plexrl.coordinator import groups
 from plexrl.coordinator import residency as rs
@@ -65,6 +66,7 @@ from plexrl.coordinator.policies import POLICIES, Policy
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import Residency
 from plexrl.errors import JobClosedError, JobTooLargeError, NoWorkersError, PlexError, WorkerLostError
+from plexrl.names import CallKind, EngineState, Lane, Role, Tier
 from plexrl.plan import (
     TRAINING_KINDS,
     JobShape,
@@ -80,13 +82,16 @@ from plexrl.plan import (
 
 # -- state -------------------------------------------------------------------------------------
 
-AWAKE, ASLEEP, TO_SLEEP, TO_WAKE = "awake", "asleep", "to_sleep", "to_wake"  # a worker's vLLM engines
+AWAKE: EngineState = "awake"  # a worker's vLLM engines
+ASLEEP: EngineState = "asleep"
+TO_SLEEP: EngineState = "to_sleep"
+TO_WAKE: EngineState = "to_wake"
 
 
 @dataclass(frozen=True, slots=True)
 class _Move:
     job_id: str
-    to: str
+    to: Tier
     state_bytes: int
 
 
@@ -103,9 +108,11 @@ class _Worker:
     training: set[int] = field(default_factory=set)  # the running ones of those
     jobs: set[str] = field(default_factory=set)  # jobs whose home it is
     samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
-    role: str = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only (events.ROLES)
+    role: Role = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
-    moving_to: str = ""  # the role a MoveWorker is taking it to (it takes no turns or new homes meanwhile)
+    moving_to: Role | Literal[""] = (
+        ""  # the role a MoveWorker is taking it to (it takes no turns or new homes meanwhile)
+    )
     node: str = ""  # its host: a group's members share one (groups.py)
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
@@ -118,14 +125,14 @@ class _Worker:
     # (the trainer's headroom for it), "engine:PATH" (the vLLM engine its LoRA jobs share) and
     # "engine:job:ID" (a full fine-tune job's own engine).
     fixed: dict[str, int] = field(default_factory=dict)
-    engines: str = AWAKE  # its vLLM engines: AWAKE, ASLEEP, or on their way (TO_SLEEP, TO_WAKE)
+    engines: EngineState = AWAKE  # its vLLM engines: AWAKE, ASLEEP, or on their way (TO_SLEEP, TO_WAKE)
     engines_for: str = ""  # the job whose call their move in flight is for (charged its seconds)
     engines_level: int = 0  # the level they sleep at now (while ASLEEP or on their way)
     sleep_failed: bool = False  # a move of its engines failed: they stay awake from now on
     engines_since: float = 0.0  # when they reached the state they are in
     sleep_s: float = 0.0  # what their last sleep took (measured)
     wake_s: float = 0.0  # and their last wake
-    wanted: str = ""  # the state a startable call needs them in, other than theirs ("": none)
+    wanted: EngineState | Literal[""] = ""  # the state a startable call needs them in, other than theirs ("": none)
     wanted_for: str = ""  # that call's job
 
     def takes_trainer_slot(self, call: _Call) -> bool:
@@ -164,12 +171,15 @@ class _Worker:
         return min(self.memory_bytes, free_bytes(self.plan) - self.held())
 
 
-SAMPLER, TRAINER = "sampler", "trainer"
-BARRIERS = frozenset({"open", "close", "sync_weights", "load", "restore"})
-MAKES_STATE = frozenset({"open", "restore"})  # they create the job's state: they need room, not a transfer
+SAMPLER: Lane = "sampler"
+TRAINER: Lane = "trainer"
+BARRIERS: frozenset[CallKind] = frozenset({"open", "close", "sync_weights", "load", "restore"})
+MAKES_STATE: frozenset[CallKind] = frozenset(
+    {"open", "restore"}
+)  # they create the job's state: they need room, not a transfer
 
 
-def lane_of(kind: str) -> str:
+def lane_of(kind: CallKind) -> Lane:
     return SAMPLER if kind == "generate" else TRAINER
 
 
@@ -181,8 +191,8 @@ class _ScheduledJob:
     weight: float = 1.0
     base: str = ""
     sampler: str = ""  # the sampler lane's worker: home, or another worker when disaggregated
-    queues: dict[str, list[int]] = field(default_factory=lambda: {SAMPLER: [], TRAINER: []})
-    running: dict[str, set[int]] = field(default_factory=lambda: {SAMPLER: set(), TRAINER: set()})
+    queues: dict[Lane, list[int]] = field(default_factory=lambda: {SAMPLER: [], TRAINER: []})
+    running: dict[Lane, set[int]] = field(default_factory=lambda: {SAMPLER: set(), TRAINER: set()})
     barriers: set[int] = field(default_factory=set)  # unfinished barrier calls
     unfinished: set[int] = field(default_factory=set)  # queued or running calls
     lost: PlexError | None = None  # why the job cannot go on (every call of it fails with this)
@@ -195,7 +205,7 @@ class _ScheduledJob:
     members: tuple[str, ...] = ()  # a group job's workers, ``home`` first; () for a one-device job
     shape: JobShape | None = None  # what it trains, for the memory plan (None: unsized until it opens)
 
-    def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[str]:
+    def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[Lane]:
         """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
         if self.members:
             return [TRAINER, SAMPLER] if worker_id in self.members else []
@@ -215,7 +225,7 @@ class _ScheduledJob:
 class _GroupMove:
     """A group job's state moving on every member: done when the last member reports."""
 
-    to: str
+    to: Tier
     pending: set[str]
     ok: bool = True
 
@@ -227,7 +237,7 @@ class _EngineGate:
 
     settled: bool
     draining: bool
-    want: str
+    want: EngineState | Literal[""]
     want_for: str
 
 
@@ -235,14 +245,14 @@ class _EngineGate:
 class _Call:
     call_id: int
     job_id: str
-    kind: str
+    kind: CallKind
     priority: int = 0
     seq: int = 0  # its place in its job's order: the call id, or below every other for a front call
     trajectory: str = ""  # a pooled job's turn: its trajectory
     level: int = 0  # and that trajectory's level when the turn was submitted
 
     @property
-    def lane(self) -> str:
+    def lane(self) -> Lane:
         return lane_of(self.kind)
 
 
@@ -682,7 +692,7 @@ class Scheduler:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
         return job.pooled and bool(self._rollout_ids)
 
-    def needs_state(self, job: _ScheduledJob, lane: str, worker: _Worker) -> bool:
+    def needs_state(self, job: _ScheduledJob, lane: Lane, worker: _Worker) -> bool:
         """Whether ``job``'s ``lane`` running on ``worker`` needs the job's state on that device.
         Every lane on its home does, except generates there when the worker's sampler serves them
         from a copy of the weights of its own (vLLM's adapters: only training waits for a move in)
@@ -699,7 +709,7 @@ class Scheduler:
             return False
         return not (tier == rs.HOST and call.kind == "close")
 
-    def _state_lanes(self, job: _ScheduledJob) -> tuple[str, ...]:
+    def _state_lanes(self, job: _ScheduledJob) -> tuple[Lane, ...]:
         """The lanes whose calls count in the job's idle gaps (residency's break-even rule): both,
         but the generates of a one-device job whose home's sampler needs none of its state."""
         home = self._workers.get(job.home)
@@ -707,7 +717,7 @@ class Scheduler:
             return (TRAINER,)
         return (TRAINER, SAMPLER)
 
-    def _move_worker(self, worker: _Worker, role: str, now: float) -> list[Action]:
+    def _move_worker(self, worker: _Worker, role: Role, now: float) -> list[Action]:
         """Start moving ``worker`` to ``role``: from now on it takes no turns (and, bound for
         rollout, no new homes); turns that waited for it go to the other rollout workers."""
         worker.moving_to = role
@@ -744,7 +754,14 @@ class Scheduler:
         )
 
     def _new_call(
-        self, call_id: int, job_id: str, kind: str, priority: int, front: bool, trajectory: str = "", level: int = 0
+        self,
+        call_id: int,
+        job_id: str,
+        kind: CallKind,
+        priority: int,
+        front: bool,
+        trajectory: str = "",
+        level: int = 0,
     ) -> _Call:
         job = self._jobs.get(job_id)
         if job is None:
@@ -1083,7 +1100,7 @@ class Scheduler:
 
     # -- a worker's vLLM engines: asleep while its training needs their memory, awake to sample ----
 
-    def _engines_need(self, worker: _Worker, call: _Call) -> str:
+    def _engines_need(self, worker: _Worker, call: _Call) -> EngineState | Literal[""]:
         """The state ``call`` needs ``worker``'s engines in ("": either). A training call needs them
         asleep when the plan says it does not fit beside them; a save needs nothing of them; every
         other call samples or changes what they serve, so it needs them awake."""
@@ -1091,7 +1108,9 @@ class Scheduler:
             return ASLEEP if worker.must_sleep() else ""
         return "" if call.kind == "save" or worker.plan is None else AWAKE
 
-    def _wanted(self, worker: _Worker, entries: list[tuple[_ScheduledJob, list[_Call]]]) -> tuple[str, str]:
+    def _wanted(
+        self, worker: _Worker, entries: list[tuple[_ScheduledJob, list[_Call]]]
+    ) -> tuple[EngineState | Literal[""], str]:
         """The other state than theirs that the first startable call (in rank order) needing one
         needs ``worker``'s engines in, and its job; ("", "") if none."""
         if worker.engines not in (AWAKE, ASLEEP):
@@ -1122,7 +1141,7 @@ class Scheduler:
                 return True
         return False
 
-    def _move_engines(self, worker: _Worker, to: str) -> MoveEngines:
+    def _move_engines(self, worker: _Worker, to: EngineState) -> MoveEngines:
         assert worker.plan is not None  # only a planned worker's training asks for a sleep
         engines = worker.fixed_bytes("engine")
         if to == ASLEEP:
@@ -1166,7 +1185,7 @@ class Scheduler:
             return False
         return any(c in self._calls and self._calls[c].lane == SAMPLER for c in worker.running)
 
-    def _startable(self, job: _ScheduledJob, lane: str) -> list[_Call]:
+    def _startable(self, job: _ScheduledJob, lane: Lane) -> list[_Call]:
         """The calls of ``job``'s ``lane`` that may start now, in the order they should.
 
         Trainer lane: its head, when nothing of the lane runs; a barrier only once every earlier
@@ -1204,7 +1223,7 @@ class Scheduler:
         ]
         return self.policy.victim(self, worker, idle, waiting, now) if idle else None
 
-    def _move(self, worker: _Worker, job: _ScheduledJob, to: str) -> Swap:
+    def _move(self, worker: _Worker, job: _ScheduledJob, to: Tier) -> Swap:
         size = job.state.state_bytes
         worker.moving = _Move(job.job_id, to, size)
         self._moving[job.job_id] = worker.worker_id
@@ -1406,7 +1425,7 @@ class Scheduler:
             return [self._move(worker, victim, rs.HOST)]
         return self._move_group(victim, rs.HOST)
 
-    def _move_group(self, job: _ScheduledJob, to: str) -> list[Action]:
+    def _move_group(self, job: _ScheduledJob, to: Tier) -> list[Action]:
         """Move a group job's shards on all its members at once (none if one of them is moving)."""
         members = [self._workers[m] for m in job.members]
         if any(w.moving is not None for w in members):

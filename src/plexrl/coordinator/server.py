@@ -41,6 +41,7 @@ from plexrl.errors import (
     UnknownJobError,
     WorkerLostError,
 )
+from plexrl.names import PLACEMENTS, ROLES, JobStatus, Role, is_role
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Codec, rid_of
@@ -51,7 +52,6 @@ from plexrl.trace import Span
 log = logging.getLogger("plexrl.coordinator")
 
 TICK_S = 0.1  # how often jobs waiting for device room are re-checked
-PLACEMENTS = ("colocated", "disaggregated", "pooled")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Calls whose engine work ticks the worker's progress (a decoding step, a row group's forward or
 # backward, an optimizer step): one running with the count standing still means a hung engine.
@@ -75,7 +75,7 @@ class _WorkerRecord:
     liveness: Liveness
     calls_done: int = 0
     progress: int = 0  # its engine's progress count, from its heartbeats
-    moving: tuple[str, float] | None = None  # a MoveWorker under way: (the role, since when)
+    moving: tuple[Role, float] | None = None  # a MoveWorker under way: (the role, since when)
     role_moves: int = 0
     progress_at: float = 0.0  # when that count last moved, or the worker was last idle
 
@@ -88,7 +88,7 @@ class _JobRecord:
     worker_id: str
     spec: calls.JobSpec
     sampler_id: str = ""  # a disaggregated job's sampler worker ("" = colocated)
-    state: str = "open"  # "open" -> "closing" -> removed; "open" <-> "suspended" (its client gone); or "lost"
+    state: JobStatus = "open"  # "open" -> "closing" -> removed; "open" <-> "suspended" (its client gone); or "lost"
     calls_done: int = 0
     client: bytes = b""  # the connection it is attached to
     opened: calls.Opened | None = None  # what its opening returned (for a client that reattaches)
@@ -496,9 +496,9 @@ class Coordinator:
                 self._on_call_outcome(worker_id, msg)
 
     def _register_worker(self, ident: bytes, msg: m.Register) -> None:
-        if msg.role not in ev.ROLES or msg.bucket < 0:
+        if not is_role(msg.role) or msg.bucket < 0:
             raise InvalidRequestError(
-                f"worker role {msg.role!r} / bucket {msg.bucket}: the role is one of {', '.join(ev.ROLES)}, "
+                f"worker role {msg.role!r} / bucket {msg.bucket}: the role is one of {', '.join(ROLES)}, "
                 "the bucket a level >= 0"
             )
         old = self._worker_by_ident.get(ident)

@@ -6,9 +6,12 @@ unchanged, and its result travels back the same way. New fields get defaults and
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 import numpy as np
 
+from plexrl.names import CALL_KINDS, CallKind
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
 
 
@@ -247,7 +250,8 @@ Result = (
     Opened | Generated | LogprobsResult | ForwardBackwardResult | OptimStepResult | Synced | Saved | Loaded | Closed
 )
 
-CALL_KIND: dict[type, str] = {
-    t: str(t.__struct_config__.tag)
+CALL_KIND: dict[type, CallKind] = {
+    t: cast(CallKind, t.__struct_config__.tag)
     for t in (Open, Generate, Logprobs, ForwardBackward, OptimStep, SyncWeights, SetWeights, Save, Load, Close, Restore)
 }
+assert sorted(CALL_KIND.values()) == sorted(CALL_KINDS), "protocol/names.py's call kinds are the calls' tags"

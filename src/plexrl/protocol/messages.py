@@ -7,9 +7,12 @@ worker's reply echoes it. Evolution rule (msgspec): new fields get defaults and 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import numpy as np
 
+from plexrl.names import JobStatus, Role, Tier
 from plexrl.plan import JobShape, WorkerPlan
 from plexrl.protocol.calls import Call, JobSpec, Opened, Result
 from plexrl.trace import Span
@@ -175,7 +178,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     busy_s: float
     pid: int = 0
     state_bytes_on_device: int = 0  # jobs' state resident on its device (at most its budget)
-    role: str = "both"  # what it serves now (a train worker the coordinator lent to rollout says "rollout")
+    role: Role = "both"  # what it serves now (a train worker the coordinator lent to rollout says "rollout")
     bucket: int = 0
     role_moves: int = 0  # times the coordinator moved it between training and rollout
 
@@ -188,8 +191,8 @@ class JobInfo(msgspec.Struct, frozen=True):
     queued: int
     running: bool
     calls_done: int
-    state: str  # "open", "closing", "lost"
-    tier: str = ""  # where its state is: "device", "host", "to_device", "to_host"
+    state: JobStatus
+    tier: Tier | Literal[""] = ""  # where its state is ("": nowhere yet, or another tenant's job)
     sampler_worker_id: str = ""  # a disaggregated job's sampler worker ("" = its worker_id)
     state_bytes: int = 0
     wall_s: float = 0.0  # since it opened

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
+from plexrl.names import Role
 from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, job_rngs, program
 from plexrl.trace import Span
 
@@ -48,7 +49,7 @@ class WorkerSpec:
     ``tp`` devices acting as one (tensor parallelism: each decode round takes ``1/tp`` of its
     time plus ``comm_s`` of all-reduces; other calls ``1/tp``)."""
 
-    role: str = "both"
+    role: Role = "both"
     bucket: int = 0
     slots: int | None = None
     tp: int = 1
@@ -193,7 +194,7 @@ class Simulation:
         self._timeline: list[Span] = []
         self.scheduler = scheduler or sch.Scheduler(policy)
         self.move_s = move_s
-        self._moves: dict[str, str] = {}  # worker -> the role it is moving to (draining its calls)
+        self._moves: dict[str, Role] = {}  # worker -> the role it is moving to (draining its calls)
         self._role_moves = 0
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []  # (time, tie-break, action)

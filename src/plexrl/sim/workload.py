@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plexrl.coordinator.events import TurnSignals
+from plexrl.names import CallKind
 
 NO_SIGNALS = TurnSignals()
 
@@ -116,7 +117,7 @@ class JobModel:
 class Work:
     """One call of a job's program: ``steps`` decode steps (generate) or ``seconds`` alone on a device."""
 
-    kind: str
+    kind: CallKind
     seconds: float = 0.0
     steps: int = 0
     own_step_s: float = 0.0  # generate: the part of a decode step that is this call's alone

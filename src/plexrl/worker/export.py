@@ -20,12 +20,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from plexrl.errors import InvalidRequestError
+from plexrl.names import EXPORT_FORMATS
 
 if TYPE_CHECKING:
     from plexrl.worker.models import BaseModel
     from plexrl.worker.trainer.job import Weights
 
-FORMATS = ("peft", "hf")
+FORMATS = EXPORT_FORMATS
 PEFT_WEIGHTS = "adapter_model.safetensors"
 # The model files an ``hf`` export writes itself; the base directory's other files (tokenizer, ...) are copied.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
