@@ -18,7 +18,7 @@ import time
 
 from plexrl.coordinator.buckets import Mlfq
 from plexrl.errors import InvalidRequestError
-from plexrl.plan import ENGINE_SLEEP
+from plexrl.names import ENGINE_SLEEP
 from plexrl.protocol import auth
 from plexrl.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 

@@ -45,4 +45,7 @@ CALL_KINDS: tuple[CallKind, ...] = get_args(CallKind)
 SaveFormat = Literal["plexrl", "peft", "hf"]  # a checkpoint; an adapter for other tools; a merged model
 EXPORT_FORMATS: tuple[SaveFormat, ...] = ("peft", "hf")
 
+EngineSleep = Literal["auto", "always", "never"]  # when a worker's engines sleep for its training
+ENGINE_SLEEP: tuple[EngineSleep, ...] = get_args(EngineSleep)
+
 EngineState = Literal["awake", "asleep", "to_sleep", "to_wake"]  # a worker's vLLM engines

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from plexrl.names import CallKind
+from plexrl.names import CallKind, EngineSleep
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -150,7 +150,7 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     checkpointing_min_params: int = 100_000_000
     # Whether its vLLM engines sleep while it trains: "auto" (when training would not fit beside
     # them), "always" (around every training phase, as colocated RL trainers do) or "never".
-    engine_sleep: str = "auto"
+    engine_sleep: EngineSleep = "auto"
     host_bytes: int = 0  # the host's memory (what a level-1 sleep offloads the engines' weights to)
 
     @property
@@ -242,7 +242,6 @@ def free_bytes(worker: WorkerPlan) -> int:
     return worker.capacity_bytes - worker.runtime_bytes
 
 
-ENGINE_SLEEP = ("auto", "always", "never")
 TRAINING_KINDS: frozenset[CallKind] = frozenset(
     {"forward_backward", "optim_step", "logprobs"}
 )  # the calls that need activations

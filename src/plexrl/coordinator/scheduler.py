@@ -149,18 +149,24 @@ class _Worker:
         """What ``fixed`` (its own by default) holds of ``kind`` ("weights", "activations", "engine")."""
         return sum(v for k, v in (self.fixed if fixed is None else fixed).items() if k.startswith(kind + ":"))
 
+    def parts(self, fixed: dict[str, int] | None = None) -> tuple[int, int, int]:
+        """What ``fixed`` (its own by default) holds: frozen weights, activation headroom, engines."""
+        return (
+            self.fixed_bytes("weights", fixed),
+            self.fixed_bytes("activations", fixed),
+            self.fixed_bytes("engine", fixed),
+        )
+
     def held(self, fixed: dict[str, int] | None = None) -> int:
         """What its device holds beside jobs' state at its peak (``plan.held_bytes``)."""
         assert self.plan is not None
-        parts = (self.fixed_bytes(k, fixed) for k in ("weights", "activations", "engine"))
-        return held_bytes(self.plan, *parts)
+        return held_bytes(self.plan, *self.parts(fixed))
 
     def must_sleep(self) -> bool:
         """A training call here needs its engines asleep (``plan.must_sleep``)."""
         if self.plan is None or self.sleep_failed:
             return False
-        parts = (self.fixed_bytes(k) for k in ("weights", "activations", "engine"))
-        return must_sleep(self.plan, self.used_bytes, *parts)
+        return must_sleep(self.plan, self.used_bytes, *self.parts())
 
     @property
     def budget(self) -> float:
@@ -1176,7 +1182,7 @@ class Scheduler:
         if worker.plan is None or worker.engines == ASLEEP:
             return True
         training = any(c in self._calls and self._calls[c].kind in TRAINING_KINDS for c in worker.running)
-        both = sum(worker.fixed_bytes(k) for k in ("weights", "activations", "engine"))
+        both = sum(worker.parts())
         return not training or worker.used_bytes + size + both <= free_bytes(worker.plan)
 
     def _turns_left_on(self, worker: _Worker) -> bool:

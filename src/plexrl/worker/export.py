@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from plexrl.worker.models import BaseModel
     from plexrl.worker.trainer.job import Weights
 
-FORMATS = EXPORT_FORMATS
 PEFT_WEIGHTS = "adapter_model.safetensors"
 # The model files an ``hf`` export writes itself; the base directory's other files (tokenizer, ...) are copied.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
@@ -53,7 +52,7 @@ def write(path: Path, fmt: str, base: BaseModel, weights: Weights) -> None:
             if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith((".safetensors", ".bin", ".md")):
                 shutil.copy2(f, path / f.name)
     else:
-        raise InvalidRequestError(f"export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        raise InvalidRequestError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
 
 
 @torch.no_grad()

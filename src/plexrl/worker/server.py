@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from plexrl.errors import CallAbortedError, CallFailedError, PlexError
+from plexrl.names import EngineSleep
 from plexrl.plan import WorkerPlan
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
@@ -113,7 +114,7 @@ class WorkerConfig:
     max_num_seqs: int | None = None  # vLLM only: sequences decoded at once (None: vLLM's default)
     dtype: str = "auto"  # the compute dtype (auto: bfloat16 on a GPU, float32 on CPU)
     gpu_memory_utilization: float = 0.3  # vLLM on CUDA: each engine's reservation, a share of the GPU
-    engine_sleep: str = "auto"  # vLLM: whether its engines sleep while it trains (plan.ENGINE_SLEEP)
+    engine_sleep: EngineSleep = "auto"  # vLLM: whether its engines sleep while it trains (names.EngineSleep)
     max_model_len: int = 8192  # vLLM only: the longest prompt + completion (capped at the model's context)
     max_tokens_per_microbatch: int = 8192  # the trainer's padded tokens per forward/backward
     deterministic: bool = False  # torch's deterministic algorithms on CUDA (vLLM's batch invariance: the CLI's env)

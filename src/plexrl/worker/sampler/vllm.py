@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import save
 
 from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailableError
+from plexrl.names import EngineSleep
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
 from plexrl.worker.progress import Progress
@@ -80,9 +81,9 @@ class VllmConfig:
     # CUDA: the share of the GPU this engine reserves (weights, LoRA slots, KV); a worker has one per
     # base model and one per full fine-tune job, and the memory plan counts each (plexrl/plan.py).
     gpu_memory_utilization: float = 0.3
-    # Whether the engines sleep while the worker trains (plan.ENGINE_SLEEP: auto, always, never):
+    # Whether the engines sleep while the worker trains (names.EngineSleep: auto, always, never):
     # the coordinator's scheduler decides when, from the memory plan (plexrl/plan.py).
-    engine_sleep: str = "auto"
+    engine_sleep: EngineSleep = "auto"
     start_timeout_s: float = 600.0
     # CPU only: the engine process's nice value above the worker's. A worker's trainer and its
     # sampler share the cores; training then goes first and the requests that arrive meanwhile

@@ -36,6 +36,7 @@ from plexrl.errors import (
     InvalidSamplingParamsError,
     StaleSamplesError,
 )
+from plexrl.names import EXPORT_FORMATS
 from plexrl.protocol.calls import (
     Closed,
     ForwardBackward,
@@ -465,8 +466,8 @@ class WorkerJob:
         """Checkpoint the trainer weights and optimizer; accumulated gradients are not saved. Or
         (``fmt`` "peft" or "hf") export the trainer weights for other tools."""
         if fmt != "plexrl":
-            if fmt not in export.FORMATS:
-                raise InvalidRequestError(f"save format {fmt!r}: choose plexrl, {', '.join(export.FORMATS)}")
+            if fmt not in EXPORT_FORMATS:
+                raise InvalidRequestError(f"save format {fmt!r}: choose plexrl, {', '.join(EXPORT_FORMATS)}")
 
             def fill(tmp: Path) -> dict[str, Any]:
                 export.write(tmp, fmt, self.base, self.weights)
