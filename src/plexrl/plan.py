@@ -216,6 +216,12 @@ def activation_bytes(worker: WorkerPlan, model: ModelShape, checkpointed: bool) 
     return tokens * (kept + 3 * h * 4) + logits
 
 
+def served_bytes(state_bytes: float, dtype_bytes: int = 2) -> int:
+    """A job's served weights estimated from its movable state (``STATE_BYTES_PER_TRAINED_PARAM`` per
+    trained parameter), in ``dtype_bytes``: where no plan gives its shape."""
+    return int(dtype_bytes * state_bytes // STATE_BYTES_PER_TRAINED_PARAM)
+
+
 def footprint(worker: WorkerPlan, job: JobShape) -> Footprint:
     """What ``job`` holds on ``worker``'s device."""
     model, lora = job.model, job.lora_rank > 0

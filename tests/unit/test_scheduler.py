@@ -3,6 +3,7 @@ then invariants over random event sequences (hypothesis)."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -17,12 +18,16 @@ from plexrl.coordinator.events import (
     Dispatch,
     Fail,
     JobClosed,
+    JobLost,
     JobOpened,
     JobResumed,
     JobSized,
     MoveWorker,
+    OwnCall,
     Place,
     Recover,
+    Release,
+    Replicate,
     Swap,
     SwapDone,
     Tick,
@@ -264,31 +269,33 @@ def test_a_recoverable_job_moves_to_another_worker_and_runs_its_restore_before_a
     s = Scheduler()
     for e in [WorkerJoined("w0", slots=2), WorkerJoined("w1", slots=2), JobOpened("a"), JobOpened("b")]:
         s.handle(e, 0.0)
-    s.handle(JobSized("a", 0, recoverable=True), 0.0)
+    s.handle(JobSized("a", 0, snapshots=True), 0.0)
     assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.0) == [Dispatch(1, "w0")]
     assert s.handle(CallSubmitted(2, "a", "generate"), 0.0) == [Dispatch(2, "w0")]
     assert s.handle(CallSubmitted(3, "a", "optim_step"), 0.0) == []
-    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1")]  # nothing failed, nothing started
-    assert s.handle(CallSubmitted(4, "a", "restore", front=True), 1.0) == [Dispatch(4, "w1")]
+    # Nothing failed; a restore of the scheduler's own (id -1) starts on the new home, first.
+    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1"), Dispatch(-1, "w1", own=RESTORE_A)]
     assert s.handle(CallSubmitted(5, "a", "generate"), 1.0) == []  # behind the restore, like everything
-    assert s.handle(CallFinished(4), 2.0) == [Dispatch(1, "w1"), Dispatch(2, "w1")]  # back in their order
+    assert s.handle(CallFinished(-1), 2.0) == [Dispatch(1, "w1"), Dispatch(2, "w1")]  # back in their order
     assert s.handle(CallFinished(2), 2.0) == [Dispatch(5, "w1")]
     assert s.handle(CallFinished(1), 3.0) == [Dispatch(3, "w1")]
     # Its new home lost as well: the next one; with none left, it waits for a worker (its restore
     # pending), takes the next one that joins, and is lost only once none joins in time.
     s.handle(WorkerJoined("w2"), 3.0)
-    assert s.handle(WorkerLost("w1", "test"), 4.0) == [Recover("a", "w2")]
-    assert s.handle(CallSubmitted(6, "a", "restore", front=True), 4.0) == [Dispatch(6, "w2")]
+    lost_b = s.handle(WorkerLost("w1", "test"), 4.0)  # b (not recoverable) was there too
+    assert lost_b[0] == Recover("a", "w2") and [type(x) for x in lost_b[1:]] == [JobLost, Dispatch]
+    assert isinstance(lost_b[1], JobLost) and lost_b[1].job_id == "b"
+    assert lost_b[2] == Dispatch(-2, "w2", own=RESTORE_A)
     assert s.handle(WorkerLost("w2", "test"), 5.0) == [Recover("a", "", restore=False)]
     assert s.has_waiting()
-    assert s.handle(WorkerJoined("w3"), 6.0) == [Recover("a", "w3", restore=False), Dispatch(6, "w3")]
+    assert s.handle(WorkerJoined("w3"), 6.0) == [Recover("a", "w3", restore=False), Dispatch(-2, "w3", own=RESTORE_A)]
     assert s.handle(WorkerLost("w3", "test"), 7.0) == [Recover("a", "", restore=False)]
     assert s.handle(Tick(), 7.0 + s.recovery_wait_s - 1) == []
     lost = s.handle(Tick(), 7.0 + s.recovery_wait_s)
     assert [(a.call_id, type(a.error)) for a in lost if isinstance(a, Fail)] == [
+        (-2, WorkerLostError),
         (3, WorkerLostError),
         (5, WorkerLostError),
-        (6, WorkerLostError),
     ]
     assert all("no worker could take it over within 300 s" in str(a.error) for a in lost if isinstance(a, Fail))
 
@@ -297,15 +304,14 @@ def test_a_job_resumed_from_the_journal_waits_for_a_worker_and_restores_before_i
     s = Scheduler()
     assert s.handle(JobResumed("a", 100), 0.0) == [Recover("a", "", restore=False)]  # no worker yet
     assert s.handle(CallSubmitted(1, "a", "forward_backward"), 0.5) == []  # its client's calls wait
-    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0")]  # the server submits the restore
-    assert s.handle(CallSubmitted(2, "a", "restore", front=True), 1.0) == [Dispatch(2, "w0")]
-    assert s.handle(CallFinished(2), 2.0) == [Dispatch(1, "w0")]
+    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0"), Dispatch(-1, "w0", own=RESTORE_A)]
+    assert s.handle(CallFinished(-1), 2.0) == [Dispatch(1, "w0")]
     # No worker within the recovery wait: the resumed job is lost, its calls fail.
     s.handle(JobResumed("b", 100), 3.0)
     s.handle(WorkerLost("w0", "test"), 3.0)
     s.handle(CallSubmitted(3, "b", "generate"), 3.0)
     lost = s.handle(Tick(), 3.0 + s.recovery_wait_s)
-    assert {(a.job_id, a.call_id) for a in lost if isinstance(a, Fail)} == {("a", 1), ("b", 3)}
+    assert {(a.job_id, a.call_id) for a in lost if isinstance(a, Fail)} == {("a", 1), ("b", -2), ("b", 3)}
 
 
 def test_a_job_whose_worker_died_while_it_opened_opens_on_another() -> None:
@@ -322,11 +328,10 @@ def test_a_job_whose_restore_failed_is_lost_and_its_calls_fail() -> None:
     s = Scheduler()
     for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("a")]:
         s.handle(e, 0.0)
-    s.handle(JobSized("a", 0, recoverable=True), 0.0)
+    s.handle(JobSized("a", 0, snapshots=True), 0.0)
     s.handle(CallSubmitted(1, "a", "optim_step"), 0.0)
-    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1")]
-    assert s.handle(CallSubmitted(2, "a", "restore", front=True), 1.0) == [Dispatch(2, "w1")]
-    lost = s.handle(CallFinished(2, error="no model at /m"), 2.0)  # the worker could not restore it
+    assert s.handle(WorkerLost("w0", "test"), 1.0) == [Recover("a", "w1"), Dispatch(-1, "w1", own=RESTORE_A)]
+    lost = s.handle(CallFinished(-1, error="no model at /m"), 2.0)  # the worker could not restore it
     assert [(a.call_id, type(a.error)) for a in lost if isinstance(a, Fail)] == [(1, WorkerLostError)]
     assert "could not be restored on another worker (no model at /m)" in str(lost[0].error)
     (later,) = s.handle(CallSubmitted(3, "a", "generate"), 3.0)
@@ -513,9 +518,12 @@ def test_a_disaggregated_job_samples_on_another_worker_and_syncs_across_both() -
     assert s.handle(CallSubmitted(4, "a", "generate"), 1.0) == []
     assert s.handle(CallFinished(2), 2.0) == []  # the generate on w1 still uses the old weights
     assert s.handle(CallFinished(1), 3.0) == [Dispatch(3, "w0")]  # w1's event starts w0's barrier
-    assert s.handle(CallFinished(3), 4.0) == [Dispatch(4, "w1")]
+    # The sync done on w0: w1 takes the new weights (a call of the scheduler's own, in the sync's
+    # place: the generate waits for it), then the generate runs there.
+    assert s.handle(CallFinished(3), 4.0) == [Dispatch(-1, "w1", own=OwnCall("a", "set_weights", follows=3))]
+    assert s.handle(CallFinished(-1), 4.5) == [Dispatch(4, "w1")]
     lost = s.handle(WorkerLost("w1", "test"), 5.0)  # its sampler worker gone: the job is lost
-    assert [(type(a), a.call_id) for a in lost] == [(Fail, 4)]  # type: ignore[union-attr]
+    assert [(type(a), getattr(a, "call_id", None)) for a in lost] == [(Fail, 4), (JobLost, None)]
 
 
 def test_losing_a_disaggregated_jobs_sampler_worker_frees_its_home_slot_for_another_job() -> None:
@@ -550,7 +558,9 @@ def _evicting_pays(s: Scheduler, swap: Swap, homes: dict[str, str], now: float) 
 UNIT = 10 * G  # job states are 0-2 units; device budgets 2-4 units
 BPS = UNIT / 10  # a unit moves in 10 s: break-even gaps of 20-40 s, near the gaps these sequences make
 KINDS = ("generate", "generate", "generate", "forward_backward", "optim_step", "sync_weights", "load")
-BARRIER_KINDS = ("sync_weights", "load", "restore", "open")
+BARRIER_KINDS = ("sync_weights", "load", "restore", "open", "set_weights")
+FOLLOW_ON = {"open": "open", "sync_weights": "set_weights", "load": "set_weights", "close": "close"}
+RESTORE_A = OwnCall("a", "restore")
 _submit, _finish, _moved = (
     st.tuples(st.just("submit"), st.integers(0, 10 * len(KINDS) - 1)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
@@ -634,7 +644,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
     """Run ``ops`` through a scheduler (``rebalance``: with a rebalancer moving workers between
     roles) and hold every action to the invariants (AssertionError if not)."""
     s = Scheduler(policy, rebalancer=Rebalancer(prior_move_s=1.0) if rebalance else None)
-    switching: dict[str, str] = {}  # worker -> the role a MoveWorker takes it to
+    switching: dict[str, str] = {}  # drained worker -> the role its MoveWorker switches it to
     workers: dict[str, tuple[int, int]] = {}  # alive worker -> (slots, memory budget)
     roles: dict[str, tuple[str, int]] = {}  # alive worker -> (role, bucket)
     stateless: set[str] = set()  # workers whose generates need no job's state (vLLM)
@@ -655,7 +665,10 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
     samplers: dict[str, str] = {}  # job -> the worker its generates run on
     seq: dict[int, int] = {}  # call -> its place in its job's order (a restore goes first)
     recoverable: set[str] = set()
-    recovering: list[str] = []  # jobs the server owes a restore call (it submits one on Recover)
+    replicas: set[tuple[str, str]] = set()  # (rollout worker, pooled job) holding a replica
+    follow_owed: dict[str, int] = {}  # disaggregated job -> its barrier whose follow-on is not seen yet
+    follow_ons: set[int] = set()  # the scheduler's own calls that carry on a barrier on a sampler worker
+    owed: collections.Counter[str] = collections.Counter()  # job -> restores the scheduler queued, not yet seen
     opening: list[str] = []  # jobs placed on no worker (none registered): the server submits their open
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
@@ -672,17 +685,47 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
         )
         check(s.handle(event, t))
 
+    def learn_own(c: int, own: OwnCall) -> None:
+        """A call of the scheduler's own, seen for the first time: a restore it queued on a Recover,
+        ahead of every call of its job; or a disaggregated job's follow-on, in the place of the
+        barrier it carries on."""
+        assert c < 0, "its own calls have negative ids"
+        if own.follows:
+            assert follow_owed.pop(own.job_id, None) == own.follows, "a follow-on carries on the barrier just done"
+            assert own.kind == FOLLOW_ON[kinds[own.follows]]
+            seq[c] = seq[own.follows]
+            follow_ons.add(c)
+        else:
+            assert own.kind == "restore" and owed[own.job_id] > 0, "its other calls are the restores it owes"
+            owed[own.job_id] -= 1
+            seq[c] = min((seq[x] for x in submitted[own.job_id]), default=0) - 1
+        submitted[own.job_id].append(c)
+        kinds[c] = own.kind
+
+    def finish(c: int, error: str = "") -> None:
+        """A call's end; a disaggregated job's barrier that ends well is owed a follow-on."""
+        job = next(j for j, ids in submitted.items() if c in ids)
+        disaggregated = samplers[job] not in ("", homes[job])
+        if not error and c > 0 and kinds[c] in FOLLOW_ON and disaggregated and samplers[job] in workers:
+            follow_owed[job] = c
+        check(s.handle(CallFinished(c, error=error), t))
+
     def check(actions: list) -> None:
-        for a in actions:
+        # Workers the rebalancer is moving between roles (draining, or switching): the scheduler's own
+        # record, as no action announces a move before its worker has drained.
+        moves = {w.worker_id: w.moving_to for w in s.workers() if w.moving_to}
+        for i, a in enumerate(actions):
             if isinstance(a, Place) and not a.worker_id:  # no worker registered: it waits for one
-                assert all(role == "rollout" for role, _ in roles.values()), "it waits only with no worker for homes"
+                assert all(role == "rollout" or moves.get(w) == "rollout" for w, (role, _) in roles.items()), (
+                    "it waits only with no worker for homes (all take rollout turns, or are moving there)"
+                )
                 homes[a.job_id] = samplers[a.job_id] = ""
                 resident[a.job_id] = False
                 opening.append(a.job_id)
             elif isinstance(a, Place):
                 assert a.worker_id in workers
                 assert roles[a.worker_id][0] != "rollout", "no job's home on a rollout worker"
-                assert switching.get(a.worker_id) != "rollout", "no new home on a worker moving to rollout"
+                assert moves.get(a.worker_id) != "rollout", "no new home on a worker moving to rollout"
                 if policy == "dedicated":
                     assert a.worker_id not in homes.values(), "dedicated: one job per worker (closed ones gone)"
                 homes[a.job_id] = a.worker_id
@@ -704,18 +747,19 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                 pending = [
                     c for c in submitted[a.job_id] if kinds[c] == "restore" and (c not in outcome or c in running)
                 ]
-                assert a.restore == (bool(a.worker_id) and not pending and not opens), (
+                assert a.restore == (bool(a.worker_id) and not pending and not owed[a.job_id] and not opens), (
                     "one restore at a time, on a worker; none for a job that still opens"
                 )
                 for c in [c for c, (j, w) in running.items() if j == a.job_id and w not in workers]:
                     del running[c], outcome[c]  # queued again, for its new home
-                if a.restore:  # as the server does
-                    recovering.append(a.job_id)
+                owed[a.job_id] += a.restore  # the scheduler queued a restore of its own
             elif isinstance(a, Dispatch):
+                if a.own is not None and a.call_id not in kinds:
+                    learn_own(a.call_id, a.own)
                 job = next(j for j, ids in submitted.items() if a.call_id in ids)
                 kind = kinds[a.call_id]
                 assert a.call_id not in outcome, "a call is dispatched, failed or cancelled exactly once (per home)"
-                rollout = sorted({b for w, (r, b) in roles.items() if r == "rollout" and w not in switching})
+                rollout = sorted({b for w, (r, b) in roles.items() if r == "rollout" and w not in moves})
                 if job in pooled and kind == "generate" and rollout:  # a turn, on the rollout workers
                     level = 0  # a generate outside any trajectory
                     if a.call_id in turn_of:
@@ -724,7 +768,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                         assert traj is not None and last_turn[key] == a.call_id
                         assert traj.level >= levels.get(key, 0), "a trajectory's level never goes back up the queue"
                         level = levels[key] = traj.level
-                    assert a.worker_id not in switching, "a worker moving between roles takes no turn"
+                    assert a.worker_id not in moves, "a worker moving between roles takes no turn"
                     preferred = bucket_for(level, rollout)
                     role, bucket = roles[a.worker_id]
                     assert role == "rollout" and bucket <= preferred, (
@@ -734,16 +778,16 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                         full = [
                             sum(1 for _, rw in running.values() if rw == w) >= workers[w][0]
                             for w, (r, b) in roles.items()
-                            if r == "rollout" and b == preferred and w not in switching
+                            if r == "rollout" and b == preferred and w not in moves
                         ]
                         assert all(full), "a turn goes to a lower bucket only while every worker of its own is full"
                     on_home = False
                 else:
-                    on_home = kind != "generate" or samplers[job] == homes[job]
+                    on_home = (kind != "generate" and a.call_id not in follow_ons) or samplers[job] == homes[job]
                     assert a.worker_id == (homes[job] if on_home else samplers[job]), (
                         "affinity: each lane on its worker"
                     )
-                if kind in ("restore", "open"):  # it makes the state on the device, in room the scheduler kept
+                if kind in ("restore", "open") and on_home:  # it makes the state on the device, in room kept for it
                     resident[job] = True
                     device[a.worker_id] = device.get(a.worker_id, 0) + sizes[job]
                 assert resident[job] or not on_home or (kind == "generate" and a.worker_id in stateless), (
@@ -757,13 +801,18 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                     assert all(ok for c, ok in zip(earlier, settled, strict=True) if kinds[c] in BARRIER_KINDS), (
                         "no call passes an unfinished barrier"
                     )
-                role_now = (roles[a.worker_id][0], switching.get(a.worker_id, ""))
+                role_now = (roles[a.worker_id][0], moves.get(a.worker_id, ""))
                 turns_here = any(kinds[c] == "generate" and w == a.worker_id for c, (_, w) in running.items())
-                assert a.exclusive == (kind != "generate" and "train" in role_now and turns_here), (
+                trainer_lane = kind != "generate" and a.call_id not in follow_ons
+                assert a.exclusive == (trainer_lane and "train" in role_now and turns_here), (
                     "a trainer call on a worker taken back from rollout pauses the turns left there; nothing else does"
                 )
-                if kind != "generate":
-                    others = [c for c, (j, _) in running.items() if j == job and kinds[c] != "generate"]
+                if trainer_lane:
+                    others = [
+                        c
+                        for c, (j, _) in running.items()
+                        if j == job and kinds[c] != "generate" and c not in follow_ons
+                    ]
                     assert not others, "one trainer-lane call per job at a time"
                     assert all(c in outcome for c in earlier if kinds[c] != "generate"), "trainer lane in order"
                 outcome[a.call_id] = "dispatched"
@@ -789,11 +838,30 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                     device[a.worker_id] += sizes[a.job_id]
                 else:
                     resident[a.job_id] = False
+            elif isinstance(a, Replicate):
+                assert a.job_id in pooled and a.worker_id != homes[a.job_id], "replicas: of pooled jobs, not at home"
+                assert a.open == ((a.worker_id, a.job_id) not in replicas), "a replica opens once per worker"
+                turn = actions[i + 1] if i + 1 < len(actions) else None
+                assert isinstance(turn, Dispatch) and turn.worker_id == a.worker_id, "a replica goes ahead of a turn"
+                assert kinds[turn.call_id] == "generate" and turn.call_id in submitted[a.job_id]
+                replicas.add((a.worker_id, a.job_id))
+            elif isinstance(a, Release):
+                assert a.worker_id in workers
+                replicas.discard((a.worker_id, a.job_id))
             elif isinstance(a, MoveWorker):
                 assert a.worker_id in workers and a.worker_id not in switching, "one move at a time, of a live worker"
-                assert a.role != roles[a.worker_id][0]
+                assert a.role != roles[a.worker_id][0] and moves.get(a.worker_id) == a.role
+                turns_left = any(rw == a.worker_id and kinds[c] == "generate" for c, (_, rw) in running.items())
+                assert a.role == "rollout" or not turns_left, "a worker switches to training once its turns ended"
                 switching[a.worker_id] = a.role
             elif isinstance(a, Fail) and a.call_id is not None:
+                if a.call_id < 0 and a.call_id not in kinds:  # its own call, failed before it started
+                    if a.job_id not in submitted:  # its job was closed (with no home, so no close call)
+                        owed[a.job_id] -= 1
+                        continue
+                    follows = follow_owed.get(a.job_id, 0)
+                    kind = FOLLOW_ON[kinds[follows]] if follows else "restore"
+                    learn_own(a.call_id, OwnCall(a.job_id, kind, follows=follows))
                 assert outcome.get(a.call_id) not in ("failed", "cancelled")
                 outcome[a.call_id] = "failed"
                 running.pop(a.call_id, None)
@@ -862,7 +930,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
             check(s.handle(JobOpened(j, sizes[j], disaggregated=3 <= arg < 6, pooled=arg >= 12), t))
             if arg >= 6 and homes.get(j):  # its open reported a snapshot-taking job
                 recoverable.add(j)
-                check(s.handle(JobSized(j, sizes[j], recoverable=True), t))
+                check(s.handle(JobSized(j, sizes[j], snapshots=True), t))
         elif kind == "resume":
             j = f"j{n_jobs}"
             n_jobs += 1
@@ -879,7 +947,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
         elif kind in ("finish", "fail") and running:
             c = sorted(running)[arg % len(running)]
             del running[c]
-            check(s.handle(CallFinished(c, error="failed" if kind == "fail" else ""), t))
+            finish(c, error="failed" if kind == "fail" else "")
         elif kind == "cancel" and next_call > 1:
             c = 1 + arg % (next_call - 1)
             if kinds[c] in ("restore", "open"):
@@ -896,6 +964,8 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
             j = sorted(homes)[arg % len(homes)]
             if any(c not in outcome or c in running for c in submitted[j]) or any(mj == j for mj, _ in moving.values()):
                 continue  # a script closes a job once its calls are settled
+            if j in follow_owed:
+                continue  # (its last call's caller has not heard yet)
             if resident.get(j) and homes[j] in workers:
                 device[homes[j]] -= sizes[j]
             del homes[j], submitted[j]
@@ -903,48 +973,40 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
             del workers[w], roles[w]
+            replicas.difference_update({(rw, j) for rw, j in replicas if rw == w})
             moving.pop(w, None)
             switching.pop(w, None)
             for c in [c for c, (j, rw) in running.items() if rw == w and j in pooled and homes[j] != w]:
                 del running[c], outcome[c]  # a pooled turn on a rollout worker: queued again, without an action
             check(s.handle(WorkerLost(w, "test"), t))
             assert all(rw != w for _, rw in running.values()), "a lost worker's calls are failed or queued again"
-        while recovering:  # the server submits a restore for each Recover that asks for one
-            submit(recovering.pop(0), "restore", front=True)
         while opening:  # and the open of a job placed before any worker registered
             submit(opening.pop(0), "open")
 
-    def settle_moves() -> None:
-        """As the server does after every call's end: a worker moving to training switches once no
-        turn runs on it; one moving to rollout at once."""
-        for w in sorted(switching):
-            if switching[w] == "rollout" or not any(
-                rw == w and kinds[c] == "generate" for c, (_, rw) in running.items()
-            ):
-                roles[w] = (switching.pop(w), roles[w][1])
-                check(s.handle(WorkerRole(w, roles[w][0], seconds=1.0), t))
-
-    # Progress: with the remaining workers alive, finishing what runs, completing transfers, settling
-    # role moves as the server does and letting time pass (ticks) settles every submitted call of a
+    # Progress: with the remaining workers alive, finishing what runs, completing transfers and role
+    # switches, and letting time pass (ticks) settles every submitted call of a
     # placed job within a bound.
     for _ in range(20 * next_call + 20):
         if running:
             c = min(running)
             del running[c]
             t += 1.0
-            check(s.handle(CallFinished(c), t))
-            settle_moves()
+            finish(c)
         elif moving:
             t += 1.0
             moved(min(moving))
-        elif switching:
-            settle_moves()
+        elif switching:  # a drained worker's switch ends
+            w = min(switching)
+            roles[w] = (switching.pop(w), roles[w][1])
+            check(s.handle(WorkerRole(w, roles[w][0], seconds=1.0), t))
         else:
             t += 1000.0  # past any starvation bound
             check(s.handle(Tick(), t))
     for j, ids in submitted.items():
         if j in homes and homes[j] in workers:
             assert all(c in outcome for c in ids), f"job {j} has calls that never ran nor failed"
+            assert not owed[j], f"job {j} has a restore that never ran nor failed"
+            assert j not in follow_owed, f"job {j} has a follow-on that never ran nor failed"
 
 
 def test_plex_packs_jobs_of_one_base_together_and_opens_a_device_only_when_the_others_are_full() -> None:
@@ -1071,22 +1133,24 @@ def test_a_trajectorys_peers_are_its_jobs_trajectories_at_the_same_turn_counted_
 
 def test_pooled_turns_go_to_their_levels_bucket_least_loaded_first_and_back_to_their_last_worker() -> None:
     s = _pool(0, 0, 2, slots=8)
-    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 1.0) == [Dispatch(1, "r0")]
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="u"), 1.0) == [Dispatch(2, "r1")]  # least loaded
+    assert _routing(s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 1.0)) == [Dispatch(1, "r0")]
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="u"), 1.0)) == [
+        Dispatch(2, "r1")
+    ]  # least loaded
     s.handle(CallFinished(1), 2.0)
     # t's next turn goes back to r0, its prefix cache (r0 runs no more than 4 turns above the least loaded).
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 3.0) == [
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 3.0)) == [
         Dispatch(3, "r0")
     ]
     s.handle(CallFinished(3), 4.0)
     # Two turns taken (level 1 of this queue): still bucket 0; the vLLM priority is the level.
-    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t", signals=TurnSignals(turn=2)), 5.0) == [
+    assert _routing(s.handle(CallSubmitted(4, "a", "generate", trajectory="t", signals=TurnSignals(turn=2)), 5.0)) == [
         Dispatch(4, "r0", priority=1)
     ]
     s.handle(CallFinished(4), 6.0)
     # A tool error: level 2, the stragglers' bucket.
     signals = TurnSignals(turn=3, tool_errors=1)
-    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="t", signals=signals), 7.0) == [
+    assert _routing(s.handle(CallSubmitted(5, "a", "generate", trajectory="t", signals=signals), 7.0)) == [
         Dispatch(5, "r2", priority=2)
     ]
 
@@ -1094,60 +1158,77 @@ def test_pooled_turns_go_to_their_levels_bucket_least_loaded_first_and_back_to_t
 def test_a_full_bucket_lends_its_turns_to_the_buckets_below_never_above() -> None:
     s = _pool(0, 2, slots=1)  # r0: bucket 0, r1: bucket 2
     late = TurnSignals(tool_errors=2)
-    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="x", signals=late), 0.0) == [
+    assert _routing(s.handle(CallSubmitted(1, "a", "generate", trajectory="x", signals=late), 0.0)) == [
         Dispatch(1, "r1", priority=2)
     ]
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="y", signals=late), 0.0) == [
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="y", signals=late), 0.0)) == [
         Dispatch(2, "r0", priority=2)  # bucket 2 is full: bucket 0 takes it
     ]
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="z"), 0.0) == []  # level 0 waits for bucket 0
-    assert s.handle(CallFinished(1), 1.0) == []  # bucket 2's free slot is not for level 0
-    assert s.handle(CallFinished(2), 2.0) == [Dispatch(3, "r0")]
+    assert (
+        _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="z"), 0.0)) == []
+    )  # level 0 waits for bucket 0
+    assert _routing(s.handle(CallFinished(1), 1.0)) == []  # bucket 2's free slot is not for level 0
+    assert _routing(s.handle(CallFinished(2), 2.0)) == [Dispatch(3, "r0")]
 
 
 def test_a_trajectory_moves_down_once_its_turns_received_enough_service() -> None:
     s = _pool(0, 1)
     s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0)
     s.handle(CallFinished(1), 12.0)  # 12 s of service: past the 10 s threshold
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 13.0) == [
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="t", signals=TurnSignals(turn=1)), 13.0)) == [
         Dispatch(2, "r1", priority=1)
     ]
     # A level never goes back: the next turn with no new signal stays at level 1.
     s.handle(CallFinished(2), 14.0)
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t"), 15.0) == [Dispatch(3, "r1", priority=1)]
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="t"), 15.0)) == [
+        Dispatch(3, "r1", priority=1)
+    ]
 
 
 def test_pooled_turns_wait_for_a_barrier_on_the_home_and_the_barrier_for_them() -> None:
     s = _pool(0)
-    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0) == [Dispatch(1, "r0")]
-    assert s.handle(CallSubmitted(2, "a", "sync_weights"), 0.0) == []  # waits for the turn on r0
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 0.0) == []  # waits for the sync
-    assert s.handle(CallFinished(1), 1.0) == [Dispatch(2, "w0")]
-    assert s.handle(CallFinished(2), 2.0) == [Dispatch(3, "r0")]
+    assert _routing(s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0)) == [Dispatch(1, "r0")]
+    assert _routing(s.handle(CallSubmitted(2, "a", "sync_weights"), 0.0)) == []  # waits for the turn on r0
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 0.0)) == []  # waits for the sync
+    assert _routing(s.handle(CallFinished(1), 1.0)) == [Dispatch(2, "w0")]
+    assert _routing(s.handle(CallFinished(2), 2.0)) == [Dispatch(3, "r0")]
 
 
 def test_no_home_on_a_rollout_worker_and_turns_run_on_the_home_without_one() -> None:
     s = Scheduler("fifo")
     s.handle(WorkerJoined("r0", role="rollout"), 0.0)
-    assert s.handle(JobOpened("a", pooled=True), 0.0) == [Place("a", "")]  # it waits for a home
+    assert _routing(s.handle(JobOpened("a", pooled=True), 0.0)) == [Place("a", "")]  # it waits for a home
     s.handle(CallSubmitted(1, "a", "open"), 0.0)
-    assert s.handle(WorkerJoined("w0"), 1.0) == [Recover("a", "w0", restore=False), Dispatch(1, "w0")]
+    assert _routing(s.handle(WorkerJoined("w0"), 1.0)) == [Recover("a", "w0", restore=False), Dispatch(1, "w0")]
     s.handle(CallFinished(1), 2.0)
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 2.0) == [Dispatch(2, "r0")]
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 2.0)) == [Dispatch(2, "r0")]
     # The rollout worker is lost mid-turn: the turn is queued again and, with no rollout worker
     # left, runs on the job's home.
-    assert s.handle(WorkerLost("r0", "test"), 3.0) == [Dispatch(2, "w0")]
+    assert _routing(s.handle(WorkerLost("r0", "test"), 3.0)) == [Dispatch(2, "w0")]
 
 
 def test_a_worker_moved_to_training_finishes_its_turns_and_takes_no_more() -> None:
     s = _pool(0, 0, slots=1)
-    assert s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0) == [Dispatch(1, "r0")]
-    assert s.handle(WorkerRole("r0", "train"), 1.0) == []  # its turn runs on
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t2"), 1.0) == [Dispatch(2, "r1")]
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="t3"), 1.0) == []  # r1 full; r0 trains now
-    assert s.handle(CallFinished(1), 2.0) == []
-    assert s.handle(JobOpened("b"), 2.0) == [Place("b", "r0")]  # a home now (fewest jobs)
-    assert s.handle(WorkerRole("r0", "rollout"), 3.0) == [Dispatch(3, "r0")]  # and back: it takes turns again
+    assert _routing(s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0)) == [Dispatch(1, "r0")]
+    assert _routing(s.handle(WorkerRole("r0", "train"), 1.0)) == []  # its turn runs on
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="t2"), 1.0)) == [Dispatch(2, "r1")]
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="t3"), 1.0)) == []  # r1 full; r0 trains now
+    assert _routing(s.handle(CallFinished(1), 2.0)) == []
+    assert _routing(s.handle(JobOpened("b"), 2.0)) == [Place("b", "r0")]  # a home now (fewest jobs)
+    assert _routing(s.handle(WorkerRole("r0", "rollout"), 3.0)) == [Dispatch(3, "r0")]  # and back: it takes turns again
+
+
+def _routing(actions: list) -> list:
+    """The actions but the replicas that go ahead of pooled turns (``test_a_rollout_worker_gets_...``)."""
+    return [a for a in actions if not isinstance(a, Replicate)]
+
+
+def _moves_undrained(self: Scheduler) -> list:
+    """Planted: every moving worker switches at once, whatever still runs there."""
+    switching = [w for w in self.workers() if w.moving_to and not w.move_sent]
+    for w in switching:
+        w.move_sent = True
+    return [MoveWorker(w.worker_id, w.moving_to) for w in switching if w.moving_to]
 
 
 def _plant_no_buckets(mp: pytest.MonkeyPatch) -> None:
@@ -1182,7 +1263,10 @@ PLANTED = {
         Scheduler, "_turns_left_on", lambda self, worker: False
     ),
     "a worker moving to training takes turns": lambda mp: mp.setattr(
-        Scheduler, "_rollout", lambda self: [w for w in self._workers.values() if w.role == "rollout"]
+        Scheduler, "_takes_turns", staticmethod(lambda worker: worker.role == "rollout")
+    ),
+    "a worker switches to training with its turns running": lambda mp: mp.setattr(
+        Scheduler, "_moves_due", _moves_undrained
     ),
     "a barrier's end wakes no rollout worker": lambda mp: mp.setattr(
         Scheduler,
@@ -1207,9 +1291,8 @@ def test_planted_bugs_in_buckets_and_roles_are_caught_by_the_invariants(
         report_multiple_bugs=False,
     )
     @given(ops=st.lists(libra_op, min_size=30, max_size=80))
-    # Tried first: a sequence a random search found to expose "a worker moving to training takes
-    # turns" once the progress phase settled moves as the server does (which shortens the window
-    # in which a moving worker is seen).
+    # Tried first: a sequence a random search found to expose a moving worker taking turns (the
+    # window in which a worker is seen moving is short).
     @example(ops=[("join", 1), ("join", 1), ("rollout", 2), *[("role", 0)] * 11, ("role", 23), ("open", 12),
                   ("open", 12), ("open", 0), ("turn", 814), ("join", 1), ("join", 1), ("join", 1), ("role", 0),
                   ("role", 0), ("role", 0), ("lose", 0), ("role", 16), ("tick", 1), ("rollout", 0),
@@ -1227,27 +1310,27 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     s.handle(WorkerJoined("r0", slots=1, role="rollout"), 0.0)
     s.handle(JobOpened("a", pooled=True), 0.0)
     # One step: a sync (its rollout starts when it ends, at 1 s), then training at 21 s: a 20 s phase.
-    assert s.handle(CallSubmitted(1, "a", "sync_weights"), 0.0) == [Dispatch(1, "w0")]
+    assert _routing(s.handle(CallSubmitted(1, "a", "sync_weights"), 0.0)) == [Dispatch(1, "w0")]
     s.handle(CallFinished(1), 1.0)
-    assert s.handle(CallSubmitted(2, "a", "forward_backward"), 21.0) == [Dispatch(2, "w0")]
+    assert _routing(s.handle(CallSubmitted(2, "a", "forward_backward"), 21.0)) == [Dispatch(2, "w0")]
     s.handle(CallFinished(2), 22.0)
     s.handle(CallSubmitted(3, "a", "sync_weights"), 22.0)
     s.handle(CallFinished(3), 23.0)  # the next rollout starts: ~20 s without training expected
-    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 23.0) == [Dispatch(4, "r0")]
-    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 23.0) == []  # r0 is full
+    assert _routing(s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 23.0)) == [Dispatch(4, "r0")]
+    assert _routing(s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 23.0)) == []  # r0 is full
     # 19 s of rollout left: a second rollout worker saves at most half of it, which beats a move
     # there and back (2 x 2 s): w0 goes to rollout, takes nothing meanwhile, and takes the waiting
     # turn once it has switched.
-    assert s.handle(Tick(), 24.0) == [MoveWorker("w0", "rollout")]
-    assert s.handle(Tick(), 25.0) == []
-    assert s.handle(WorkerRole("w0", "rollout", seconds=3.0), 26.0) == [Dispatch(5, "w0")]
+    assert _routing(s.handle(Tick(), 24.0)) == [MoveWorker("w0", "rollout")]
+    assert _routing(s.handle(Tick(), 25.0)) == []
+    assert _routing(s.handle(WorkerRole("w0", "rollout", seconds=3.0), 26.0)) == [Dispatch(5, "w0")]
     # Training is submitted (a 7 s phase: the mean is now 13.5 s): w0 goes back at once, and the
-    # training runs there at once, exclusive: the turn still running there pauses until it ends.
-    back = [MoveWorker("w0", "train"), Dispatch(6, "w0", exclusive=True)]
-    assert s.handle(CallSubmitted(6, "a", "forward_backward"), 30.0) == back
-    s.handle(WorkerRole("w0", "train", seconds=3.0), 31.0)
+    # training runs there at once, exclusive: the turn still running there pauses until it ends,
+    # and then w0 switches.
+    assert _routing(s.handle(CallSubmitted(6, "a", "forward_backward"), 30.0)) == [Dispatch(6, "w0", exclusive=True)]
     s.handle(CallFinished(4), 31.0)
-    s.handle(CallFinished(5), 31.0)
+    assert _routing(s.handle(CallFinished(5), 31.0)) == [MoveWorker("w0", "train")]
+    s.handle(WorkerRole("w0", "train", seconds=3.0), 31.0)
     s.handle(CallFinished(6), 33.0)
     s.handle(CallSubmitted(7, "a", "sync_weights"), 33.0)
     s.handle(CallFinished(7), 34.0)
@@ -1255,10 +1338,10 @@ def test_the_rebalancer_lends_an_idle_home_worker_to_rollout_and_takes_it_back_f
     s.handle(CallSubmitted(9, "a", "generate", trajectory="w"), 34.0)
     # Moves now measured at 3 s: half of 5.5 s of expected rollout left (13.5 - 8) does not pay for
     # one there and back (6 s), nor half of 11.5 s (2 s in); half of 13 s (0.5 s in) does.
-    assert s.handle(Tick(), 42.0) == []
+    assert _routing(s.handle(Tick(), 42.0)) == []
     assert s.rebalancer is not None and s.rebalancer.expected_rollout_left_s("a", 36.0) == 11.5
-    assert s.handle(Tick(), 36.0) == []
-    assert s.handle(Tick(), 34.5) == [MoveWorker("w0", "rollout")]
+    assert _routing(s.handle(Tick(), 36.0)) == []
+    assert _routing(s.handle(Tick(), 34.5)) == [MoveWorker("w0", "rollout")]
 
 
 def test_the_rebalancer_lends_a_home_by_its_jobs_rollout_time_so_far_and_not_for_a_job_between_phases() -> None:
@@ -1271,12 +1354,12 @@ def test_the_rebalancer_lends_a_home_by_its_jobs_rollout_time_so_far_and_not_for
         s.handle(CallFinished(sync), 1.0)  # both start their first rollout at 1 s: no past phase to go by
     s.handle(CallSubmitted(3, "b", "forward_backward"), 2.0)
     s.handle(CallFinished(3), 3.0)  # b is between phases (it trains next): it does not hold w0 back
-    assert s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 3.0) == [Dispatch(4, "r0")]
-    assert s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 3.0) == []  # r0 is full
+    assert _routing(s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 3.0)) == [Dispatch(4, "r0")]
+    assert _routing(s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 3.0)) == []  # r0 is full
     # a's first phase, 2.5 s in, is expected to last 2.5 s more: half of that does not pay for a
     # move there and back (2 x 1 s); 5 s in, half of 5 s does.
-    assert s.handle(Tick(), 3.5) == []
-    assert s.handle(Tick(), 6.0) == [MoveWorker("w0", "rollout")]
+    assert _routing(s.handle(Tick(), 3.5)) == []
+    assert _routing(s.handle(Tick(), 6.0)) == [MoveWorker("w0", "rollout")]
 
 
 def test_the_rebalancer_weighs_a_lent_home_by_its_devices_against_the_rollout_pools() -> None:
@@ -1288,10 +1371,10 @@ def test_the_rebalancer_weighs_a_lent_home_by_its_devices_against_the_rollout_po
     s.handle(JobOpened("a", pooled=True), 0.0)
     s.handle(CallSubmitted(1, "a", "sync_weights"), 0.0)
     s.handle(CallFinished(1), 1.0)
-    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0) == [Dispatch(2, "r0")]
-    assert s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 1.0) == []  # r0 is full
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0)) == [Dispatch(2, "r0")]
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="u"), 1.0)) == []  # r0 is full
     # 5 s in, the first phase is expected to last 5 s more: 1/9 of it does not pay for a move there
     # and back (2 x 1 s), as half of it would; 19.5 s in, 1/9 of 19.5 s does.
-    assert s.handle(Tick(), 6.0) == []
-    assert s.handle(Tick(), 18.0) == []
-    assert s.handle(Tick(), 20.5) == [MoveWorker("w0", "rollout")]
+    assert _routing(s.handle(Tick(), 6.0)) == []
+    assert _routing(s.handle(Tick(), 18.0)) == []
+    assert _routing(s.handle(Tick(), 20.5)) == [MoveWorker("w0", "rollout")]

@@ -16,8 +16,10 @@ from plexrl.coordinator.events import (
     CallSubmitted,
     Dispatch,
     Fail,
+    JobLost,
     JobOpened,
     JobSized,
+    OwnCall,
     Place,
     Recover,
     Swap,
@@ -209,7 +211,7 @@ def test_a_run_with_groups_replays_exactly_for_a_seed_and_differs_for_another() 
 def _running_group(recoverable: bool) -> Scheduler:
     s = _cluster("fifo", 4, memory_bytes=100)
     s.handle(JobOpened("g", state_bytes=30, devices=2), 0.0)  # w0, w1
-    s.handle(JobSized("g", 30, recoverable=recoverable), 0.0)
+    s.handle(JobSized("g", 30, snapshots=recoverable), 0.0)
     assert s.handle(CallSubmitted(1, "g", "forward_backward"), 1.0) == [Dispatch(1, "w0")]
     return s
 
@@ -217,17 +219,17 @@ def _running_group(recoverable: bool) -> Scheduler:
 def test_a_recoverable_group_that_loses_a_member_moves_as_a_unit_to_a_new_block_and_redoes_its_call() -> None:
     s = _running_group(recoverable=True)
     actions = s.handle(WorkerLost("w1", "test"), 2.0)
-    assert actions == [Recover("g", "w2", members=("w2", "w3"))]
+    # Its restore (of the scheduler's own) first, on the new block.
+    assert actions == [Recover("g", "w2", members=("w2", "w3")), Dispatch(-1, "w2", own=OwnCall("g", "restore"))]
     assert s.used_bytes("w0") == 0 and not s.running_on("w0")  # its surviving shard is dropped
-    s.handle(CallSubmitted(2, "g", "restore", front=True), 2.0)
-    assert s.handle(CallFinished(2), 3.0) == [Dispatch(1, "w2")]  # the call it was running, again
+    assert s.handle(CallFinished(-1), 3.0) == [Dispatch(1, "w2")]  # the call it was running, again
     assert [s.used_bytes(w) for w in ("w2", "w3")] == [30, 30]
 
 
 def test_a_group_without_a_saved_state_that_loses_a_member_fails_as_a_unit() -> None:
     s = _running_group(recoverable=False)
     actions = s.handle(WorkerLost("w1", "test"), 2.0)
-    assert [(type(a), a.call_id) for a in actions] == [(Fail, 1)]
+    assert [(type(a), getattr(a, "call_id", None)) for a in actions] == [(Fail, 1), (JobLost, None)]
     assert isinstance(actions[0], Fail) and isinstance(actions[0].error, WorkerLostError)
     assert s.used_bytes("w0") == 0 and not s.running_on("w0")
     assert s.handle(JobOpened("a"), 3.0) == [Place("a", "w0")]  # w0 is free for others

@@ -87,7 +87,9 @@ class JobSized:
 
     job_id: str
     state_bytes: int
-    recoverable: bool = False  # the server keeps what rebuilds it elsewhere (a snapshot, the calls since)
+    # Its worker snapshots it (small enough): the scheduler makes it recoverable if it is colocated
+    # (the server then keeps what rebuilds it elsewhere: a snapshot, the calls since).
+    snapshots: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,15 @@ class Tick:
     """Time passed with nothing else happening: re-check waiting jobs (the starvation bound)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaFailed:
+    """A rollout worker could not take a pooled job's replica or weights (``Replicate``): it gets
+    them again before the job's next turn there (the turn sent behind them fails)."""
+
+    worker_id: str
+    job_id: str
+
+
 Event = (
     WorkerJoined
     | WorkerRole
@@ -170,6 +181,7 @@ Event = (
     | CallCancelled
     | SwapDone
     | EnginesMoved
+    | ReplicaFailed
     | Tick
 )
 
@@ -192,15 +204,38 @@ class Place:
 @dataclass(frozen=True, slots=True)
 class Recover:
     """The job's home was lost and the job lives on, on ``worker_id``: its state is rebuilt there
-    by a ``restore`` call, which the server submits (``front=True``) when ``restore`` is set (it is
-    not when one is already pending, or the job never finished opening). Its calls that were
-    running there are queued again. ``worker_id`` "": no worker can take it now; it waits (up to
+    by a ``restore`` call of the scheduler's own (``OwnCall``), queued ahead of its other calls when
+    ``restore`` is set (it is not when one is already pending, or the job never finished opening).
+    Its calls that were running there are queued again. ``worker_id`` "": no worker can take it now; it waits (up to
     the scheduler's ``recovery_wait_s``) for one to join, and then gets another ``Recover``."""
 
     job_id: str
     worker_id: str
     restore: bool = True
     members: tuple[str, ...] = ()  # a group job's new workers (``worker_id`` first)
+
+
+@dataclass(frozen=True, slots=True)
+class JobLost:
+    """The job cannot go on (its state is gone with a worker, a restore failed, or no worker took
+    it in time): its calls failed with ``error`` (a ``Fail`` each, sent before this), and every
+    later one will. Its client closes it; a restarted coordinator forgets it."""
+
+    job_id: str
+    error: PlexError
+
+
+@dataclass(frozen=True, slots=True)
+class OwnCall:
+    """A call the scheduler made, not a client (its id is negative): the server builds what it
+    sends from its record of the job. ``restore``: rebuild the job on its new home from its
+    snapshot and the calls since. With ``follows``, a disaggregated job's barrier's part on its
+    sampler worker (``open``: a replica of its sampler; ``set_weights``: the weights the barrier
+    exported; ``close``): the caller of ``follows`` hears once it is done."""
+
+    job_id: str
+    kind: CallKind
+    follows: int = 0  # the call it carries on (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +250,7 @@ class Dispatch:
     # call on a worker taken back from rollout, whose leftover turns would slow the training that
     # the job's next rollout waits for.
     exclusive: bool = False
+    own: OwnCall | None = None  # a call of the scheduler's own (None: a submitted one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +287,36 @@ class MoveEngines:
 
 @dataclass(frozen=True, slots=True)
 class MoveWorker:
-    """The rebalancer moves ``worker_id`` to ``role``: it takes no new call of its old role from now
-    on; once its running turns have ended, the server switches it (sleeps or wakes its sampler)
-    and answers with ``WorkerRole``. Its homes' trainer calls run on throughout."""
+    """Switch ``worker_id`` to ``role`` now, and answer with ``WorkerRole``. The rebalancer decided
+    the move earlier; the scheduler gave the worker no new call of its old role since and sends
+    this once it has drained (a worker bound for training: no turn runs there; for rollout: at
+    once). Its homes' trainer calls run on throughout."""
 
     worker_id: str
     role: Role
 
 
-Action = Place | Recover | Dispatch | Fail | Swap | MoveEngines | MoveWorker
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Sent just ahead of a pooled job's turn on a rollout worker: the worker gets a replica of the
+    job's sampler (``open``) and the job's current weights (``weights``: it serves older ones, or
+    the replica is new and the job has changed its weights since it opened). A worker runs what it
+    receives in order, and a turn never passes a barrier, so the turn samples exactly those."""
+
+    worker_id: str
+    job_id: str
+    open: bool
+    weights: bool
+    weight_bytes: int  # what a push of the weights carries (by the plan, or estimated from the state)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free what ``worker_id`` holds of ``job_id`` that nobody can use any more: a pooled job's
+    replica, or the surviving half of a job lost with its other worker. Nobody waits for it."""
+
+    worker_id: str
+    job_id: str
+
+
+Action = Place | Recover | Dispatch | Fail | JobLost | Swap | MoveEngines | MoveWorker | Replicate | Release

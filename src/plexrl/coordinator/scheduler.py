@@ -22,16 +22,18 @@ Invariants it keeps, whatever the policy:
   (gang): a call starts only when every member has drained, and nothing else starts on a member
   from the moment the group claims it until that call ends; losing a member ends or re-homes the
   job as a unit;
-- every submitted call ends in exactly one ``Dispatch`` followed by the server's
-  ``CallFinished``, or in one ``Fail``; a recoverable job's calls running on a lost worker go back
-  to the front of their queues (dispatched again on its new home, after a ``restore``).
+- every call, submitted or its own (``OwnCall``: negative ids), ends in exactly one ``Dispatch``
+  followed by the server's ``CallFinished``, or in one ``Fail``; a recoverable job's calls running
+  on a lost worker go back to the front of their queues (dispatched again on its new home, after
+  a ``restore`` of its own).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from plexrl.coordinator import groups
@@ -48,13 +50,18 @@ from plexrl.coordinator.events import (
     Event,
     Fail,
     JobClosed,
+    JobLost,
     JobOpened,
     JobResumed,
     JobSized,
     MoveEngines,
     MoveWorker,
+    OwnCall,
     Place,
     Recover,
+    Release,
+    ReplicaFailed,
+    Replicate,
     Swap,
     SwapDone,
     Tick,
@@ -77,6 +84,7 @@ from plexrl.plan import (
     held_bytes,
     must_sleep,
     refusal,
+    served_bytes,
     sleep_level,
 )
 
@@ -89,7 +97,7 @@ TO_WAKE: EngineState = "to_wake"
 
 
 @dataclass(frozen=True, slots=True)
-class _Move:
+class _SwapInFlight:
     job_id: str
     to: Tier
     state_bytes: int
@@ -102,7 +110,7 @@ class _Worker:
     memory_bytes: float = math.inf
     bytes_per_s: float = 10e9
     used_bytes: int = 0  # state on the device or on its way there (or still leaving)
-    moving: _Move | None = None  # the one transfer in flight on this worker
+    swapping: _SwapInFlight | None = None  # the one transfer in flight on this worker
     running: set[int] = field(default_factory=set)
     trainer_slots: int = 1 << 30  # calls other than generate it runs at once
     training: set[int] = field(default_factory=set)  # the running ones of those
@@ -110,9 +118,8 @@ class _Worker:
     samplers: set[str] = field(default_factory=set)  # disaggregated jobs whose generates run here
     role: Role = "both"  # "rollout": pooled jobs' turns, never a home; "train": homes only
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
-    moving_to: Role | Literal[""] = (
-        ""  # the role a MoveWorker is taking it to (it takes no turns or new homes meanwhile)
-    )
+    moving_to: Role | Literal[""] = ""  # the role a move takes it to (it takes no turns or new homes meanwhile)
+    move_sent: bool = False  # that move's worker drained: MoveWorker is sent, WorkerRole not back yet
     node: str = ""  # its host: a group's members share one (groups.py)
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
@@ -136,7 +143,7 @@ class _Worker:
     wanted_for: str = ""  # that call's job
 
     def takes_trainer_slot(self, call: _Call) -> bool:
-        return lane_of(call.kind) == TRAINER and call.kind not in self.background_calls
+        return call.lane == TRAINER and call.kind not in self.background_calls
 
     @property
     def switch_s(self) -> float:
@@ -179,7 +186,15 @@ class _Worker:
 
 SAMPLER: Lane = "sampler"
 TRAINER: Lane = "trainer"
-BARRIERS: frozenset[CallKind] = frozenset({"open", "close", "sync_weights", "load", "restore"})
+BARRIERS: frozenset[CallKind] = frozenset({"open", "close", "sync_weights", "load", "restore", "set_weights"})
+# A disaggregated job's barrier done on its home continues on its sampler worker (``_follow_on``):
+# the replica opens there, takes the new (or loaded) weights, closes.
+FOLLOW_ON: dict[CallKind, CallKind] = {
+    "open": "open",
+    "sync_weights": "set_weights",
+    "load": "set_weights",
+    "close": "close",
+}
 MAKES_STATE: frozenset[CallKind] = frozenset(
     {"open", "restore"}
 )  # they create the job's state: they need room, not a transfer
@@ -210,6 +225,8 @@ class _ScheduledJob:
     devices: int = 1  # a group job's size: ``state`` is then each member's shard
     members: tuple[str, ...] = ()  # a group job's workers, ``home`` first; () for a one-device job
     shape: JobShape | None = None  # what it trains, for the memory plan (None: unsized until it opens)
+    opened: bool = False  # its open finished: some worker holds something of it
+    weights_epoch: int = 0  # how often what it serves changed (sync_weights, load, restore done)
 
     def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[Lane]:
         """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
@@ -227,8 +244,20 @@ class _ScheduledJob:
         return not any(self.queues[lane] or self.running[lane] for lane in self.lanes_on(worker_id, sampler_apart))
 
 
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """What the server reads of a job (the scheduler's own record of it is private)."""
+
+    home: str  # its home worker ("": it waits for one)
+    sampler: str  # a disaggregated job's sampler worker ("": its generates run at home, or pooled)
+    pooled: bool  # its generates run on the rollout workers
+    recoverable: bool  # rebuilt on another worker when its home is lost
+    closing: bool  # its close is submitted
+    lost: PlexError | None  # why it cannot go on (None: it can)
+
+
 @dataclass(slots=True)
-class _GroupMove:
+class _GroupSwap:
     """A group job's state moving on every member: done when the last member reports."""
 
     to: Tier
@@ -256,10 +285,7 @@ class _Call:
     seq: int = 0  # its place in its job's order: the call id, or below every other for a front call
     trajectory: str = ""  # a pooled job's turn: its trajectory
     level: int = 0  # and that trajectory's level when the turn was submitted
-
-    @property
-    def lane(self) -> Lane:
-        return lane_of(self.kind)
+    lane: Lane = TRAINER  # generates: SAMPLER; so is a disaggregated job's follow-on (``_follow_on``)
 
 
 STICKY_SLACK = 4  # a trajectory's turn goes back to its last worker unless that runs this many more turns than another
@@ -285,14 +311,18 @@ class Scheduler:
         self._jobs: dict[str, _ScheduledJob] = {}
         self._calls: dict[int, _Call] = {}
         self._ran_on: dict[int, str] = {}  # running call -> the worker it runs on (its slot)
-        self._moving: dict[str, str] = {}  # job -> worker, for state in transit
+        self._swapping: dict[str, str] = {}  # job -> worker, for state in transit
         self._waiting: set[str] = set()  # jobs with a ready call whose state is not on the device
         self._homeless: dict[str, tuple[float, str]] = {}  # job -> (since, why) while no worker can take it
         self._pooled: set[str] = set()  # pooled jobs
         self._rollout_ids: set[str] = set()  # workers taking pooled turns now (``_rollout``)
+        self._moving_workers: set[str] = set()  # workers moving between roles (``_moves_due``)
         self._started: dict[int, float] = {}  # running turn of a pooled job -> when it started
+        self._replicas: dict[str, dict[str, int]] = {}  # rollout worker -> pooled job -> weights epoch it serves
+        self._own: dict[int, OwnCall] = {}  # unfinished calls of its own (``_queue_own``)
+        self._own_ids = itertools.count(-1, -1)
         self._gangs: dict[int, tuple[str, tuple[str, ...]]] = {}  # running group call -> (job, members)
-        self._group_moves: dict[str, _GroupMove] = {}  # group job -> its state's move in flight
+        self._group_swaps: dict[str, _GroupSwap] = {}  # group job -> its state's move in flight
         self.trajectories = Trajectories(mlfq or Mlfq())
         self.rebalancer = rebalancer  # moves home workers between training and rollout (None: roles stay)
         self.ledger = Ledger()
@@ -337,6 +367,18 @@ class Scheduler:
     def job(self, job_id: str) -> _ScheduledJob:
         return self._jobs[job_id]
 
+    def view(self, job_id: str) -> JobView | None:
+        """The job as the scheduler holds it (None: no such job)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        sampler = job.sampler if job.sampler != job.home else ""
+        return JobView(job.home, sampler, job.pooled, job.recoverable, job.closing, job.lost)
+
+    def where(self, call_id: int) -> str | None:
+        """The worker running the call (None: queued, or not known)."""
+        return self._ran_on.get(call_id)
+
     def busy_s(self, worker_id: str, now: float) -> float:
         return self.ledger.busy_s(worker_id, now)
 
@@ -380,16 +422,18 @@ class Scheduler:
                 actions, touched = self._on_job_opened(event, now), []
             case JobResumed():
                 actions, touched = self._on_job_resumed(event, now), []
-            case JobSized(job_id, state_bytes, recoverable):
-                if job_id in self._jobs:
-                    self._jobs[job_id].recoverable = recoverable
+            case JobSized(job_id, state_bytes, snapshots):
+                if (sized := self._jobs.get(job_id)) is not None:
+                    sized.recoverable = snapshots and sized.sampler == sized.home  # colocated jobs only
                 actions, touched = [], [w for w in [self._resize(job_id, state_bytes)] if w]
             case JobClosed():
                 actions, touched = self._on_job_closed(event, now)
-            case SwapDone(job_id, seconds, moved_bytes, ok, worker_id) if job_id in self._group_moves:
+            case SwapDone(job_id, seconds, moved_bytes, ok, worker_id) if job_id in self._group_swaps:
                 actions, touched = [], self._group_swap_done(job_id, worker_id, seconds, moved_bytes, ok)
             case SwapDone(job_id, seconds, moved_bytes, ok):
                 actions, touched = [], [w for w in [self._swap_done(job_id, seconds, moved_bytes, ok)] if w]
+            case ReplicaFailed(worker_id, job_id):
+                actions, touched = self._replica_failed(worker_id, job_id), []
             case EnginesMoved(worker_id, seconds, ok):
                 actions, touched = [], [w for w in [self._engines_moved(worker_id, seconds, ok, now)] if w]
             case Tick():
@@ -399,6 +443,8 @@ class Scheduler:
         for worker_id in touched:
             if worker_id in self._workers:
                 actions += self._dispatch(self._workers[worker_id], now)
+        if self._moving_workers:
+            actions += self._moves_due()
         return actions
 
     def _on_call_submitted(self, event: CallSubmitted, now: float) -> tuple[list[Action], list[str]]:
@@ -417,10 +463,16 @@ class Scheduler:
         started = self._started.pop(call_id, None)
         if done is not None and done.trajectory and ran and started is not None:
             self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
+        follows = not error and self.follows_on(call_id)
         self._finish(call_id, now)
+        if done is not None and follows:
+            self._follow_on(done, now)
         if done is None:
             return actions, touched
         job = self._jobs.get(done.job_id)
+        if job is not None and not error:
+            job.opened |= done.kind in MAKES_STATE
+            job.weights_epoch += done.kind in ("sync_weights", "load", "restore")
         rollout_starts = done.kind in ("open", "restore", "sync_weights") and not error
         if job is not None and job.pooled and self.rebalancer is not None and rollout_starts:
             self.rebalancer.rollout_started(job.job_id, now)
@@ -456,7 +508,8 @@ class Scheduler:
             self.rebalancer.moved(event.seconds)
         if event.role == moved.role and not moved.moving_to:
             return [], []
-        moved.role, moved.moving_to = event.role, ""  # the move is over (or an operator overrides it)
+        moved.role, moved.moving_to, moved.move_sent = event.role, "", False  # the move is over (or overridden)
+        self._moving_workers.discard(moved.worker_id)
         self._roles_changed(moved)  # its running calls finish where they are
         actions = self._rehome_waiting(now) if event.role != "rollout" else []
         return actions, sorted(self._workers)  # queued turns re-route
@@ -482,7 +535,10 @@ class Scheduler:
         self._jobs[job_id] = job
         self.ledger.job_opened(job_id, now)
         self._homeless[job_id] = (now, f"job {job_id} was resumed from the journal of a restarted coordinator")
-        return self._rehome(job, now) or [Recover(job_id, "", restore=False)]
+        actions = self._rehome(job, now)
+        if not actions:
+            return [Recover(job_id, "", restore=False)]
+        return actions + self._dispatch(self._workers[job.home], now)  # its restore starts
 
     def _on_job_closed(self, event: JobClosed, now: float) -> tuple[list[Action], list[str]]:
         job_id = event.job_id
@@ -498,6 +554,7 @@ class Scheduler:
             self.rebalancer.forget(job_id)
         self.ledger.job_closed(job_id, now)
         self._waiting.discard(job_id)
+        actions += self._releases(job)
         job = self._jobs.pop(job_id, None)
         if job and job.members:
             touched = self._disband(job, now)
@@ -513,6 +570,47 @@ class Scheduler:
         if self._homeless:  # a worker it held may take a waiting job now (dedicated)
             actions += self._rehome_waiting(now)
         return actions, touched
+
+    def _releases(self, job: _ScheduledJob | None) -> list[Release]:
+        """What workers hold of a job being forgotten: its replicas on rollout workers, and if it was
+        lost after it opened, what its surviving workers hold (a closed job's close freed that)."""
+        if job is None:
+            return []
+        held = sorted(w for w, replicas in self._replicas.items() if replicas.pop(job.job_id, None) is not None)
+        if job.lost is not None and job.opened:
+            held += sorted({job.home, job.sampler} & self._workers.keys())
+        return [Release(w, job.job_id) for w in held]
+
+    def _replicate(self, worker: _Worker, job: _ScheduledJob, call: _Call) -> list[Action]:
+        """What ``worker`` needs before it runs a pooled job's turn: a replica of the job's sampler,
+        and its current weights (``Replicate``), unless it has them."""
+        if not job.pooled or call.lane != SAMPLER or worker.worker_id == job.home:
+            return []
+        held = self._replicas.setdefault(worker.worker_id, {})
+        new = job.job_id not in held
+        stale = held.get(job.job_id, 0) != job.weights_epoch
+        if not new and not stale:
+            return []
+        held[job.job_id] = job.weights_epoch
+        return [
+            Replicate(
+                worker.worker_id, job.job_id, open=new, weights=stale, weight_bytes=self._weight_bytes(worker, job)
+            )
+        ]
+
+    @staticmethod
+    def _weight_bytes(worker: _Worker, job: _ScheduledJob) -> int:
+        """What the job's served weights weigh on ``worker``: its trained parameters in the device's
+        dtype (by the plan; else estimated from its state, as an AdamW job's in bf16)."""
+        if worker.plan is not None and job.shape is not None:
+            return job.shape.trained_params * worker.plan.dtype_bytes
+        return served_bytes(job.state.state_bytes)
+
+    def _replica_failed(self, worker_id: str, job_id: str) -> list[Action]:
+        """The worker gets the replica again before the job's next turn there; what it holds goes."""
+        if self._replicas.get(worker_id, {}).pop(job_id, None) is None or job_id not in self._jobs:
+            return []
+        return [Release(worker_id, job_id)]
 
     def _on_tick(self, now: float) -> list[Action]:
         """Waiting jobs may hit their starvation bound (or homeless ones their recovery wait), an
@@ -689,10 +787,15 @@ class Scheduler:
     def _roles_changed(self, worker: _Worker) -> None:
         """Keep ``_rollout_ids`` (every dispatch asks it: a scan of all workers would cost the
         simulator half its speed on 1024 devices) up to date with ``worker``'s role."""
-        if worker.role == "rollout" and not worker.moving_to and worker.worker_id in self._workers:
+        if self._takes_turns(worker) and worker.worker_id in self._workers:
             self._rollout_ids.add(worker.worker_id)
         else:
             self._rollout_ids.discard(worker.worker_id)
+
+    @staticmethod
+    def _takes_turns(worker: _Worker) -> bool:
+        """The worker takes pooled jobs' turns: a rollout worker no move is taking elsewhere."""
+        return worker.role == "rollout" and not worker.moving_to
 
     def _pooled_away(self, job: _ScheduledJob) -> bool:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
@@ -725,12 +828,28 @@ class Scheduler:
 
     def _move_worker(self, worker: _Worker, role: Role, now: float) -> list[Action]:
         """Start moving ``worker`` to ``role``: from now on it takes no turns (and, bound for
-        rollout, no new homes); turns that waited for it go to the other rollout workers."""
+        rollout, no new homes); turns that waited for it go to the other rollout workers. It
+        switches once drained (``_moves_due``)."""
         worker.moving_to = role
+        self._moving_workers.add(worker.worker_id)
         self._roles_changed(worker)
-        actions: list[Action] = [MoveWorker(worker.worker_id, role)]
+        actions: list[Action] = []
         for other in sorted(w.worker_id for w in self._rollout()):
             actions += self._dispatch(self._workers[other], now)
+        return actions
+
+    def _moves_due(self) -> list[Action]:
+        """``MoveWorker`` for each moving worker that has drained: one bound for rollout at once (its
+        homes' trainer calls run on there), one bound for training once no turn runs on it."""
+        actions: list[Action] = []
+        for worker_id in sorted(self._moving_workers):
+            worker = self._workers.get(worker_id)
+            if worker is None or worker.move_sent:
+                continue
+            turns = any(self._calls[c].kind == "generate" for c in worker.running if c in self._calls)
+            if worker.moving_to == "rollout" or not turns:
+                worker.move_sent = True
+                actions.append(MoveWorker(worker_id, worker.moving_to or worker.role))
         return actions
 
     def _takes_turn(self, worker: _Worker, buckets: dict[int, bool], job: _ScheduledJob, call: _Call) -> bool:
@@ -776,7 +895,7 @@ class Scheduler:
         if front:
             job.first_seq -= 1
             seq = job.first_seq
-        return _Call(call_id, job_id, kind, priority, seq, trajectory, level)
+        return _Call(call_id, job_id, kind, priority, seq, trajectory, level, lane_of(kind))
 
     def _submit(self, call: _Call, now: float) -> list[Action]:
         job = self._jobs.get(call.job_id)
@@ -840,6 +959,7 @@ class Scheduler:
 
     def _finish(self, call_id: int, now: float) -> None:
         call = self._calls.pop(call_id, None)
+        self._own.pop(call_id, None)
         self._release_gang(call_id, now)
         worker = self._workers.get(self._ran_on.pop(call_id, ""))
         if worker is not None:  # its slot is free, whatever became of its job
@@ -874,8 +994,10 @@ class Scheduler:
         if worker is None:
             return []
         self._rollout_ids.discard(worker_id)
-        if worker.moving is not None:
-            self._moving.pop(worker.moving.job_id, None)
+        self._moving_workers.discard(worker_id)
+        self._replicas.pop(worker_id, None)
+        if worker.swapping is not None:
+            self._swapping.pop(worker.swapping.job_id, None)
         actions: list[Action] = []
         survivors: set[str] = set()  # other members of its groups: their slots and memory are free now
         for call_id in sorted(worker.running):
@@ -890,6 +1012,8 @@ class Scheduler:
             self._enqueue(job, call)  # a pooled turn that ran there goes back to its queue
         for job_id in sorted(worker.jobs | worker.samplers):
             job = self._jobs[job_id]
+            if job.lost is not None:
+                continue  # lost already (its restore failed): nothing of it to recover
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
             opening = any(self._calls[c].kind == "open" for c in job.unfinished)  # no state exists yet
             if job.members:  # a group lives or dies as a unit: its other shards are of no use alone
@@ -951,8 +1075,45 @@ class Scheduler:
         del self._homeless[job.job_id]
         self._home(chosen, job)
         job.sampler = chosen.worker_id
-        kinds = {self._calls[c].kind for c in job.unfinished}
-        return [Recover(job.job_id, chosen.worker_id, restore=not kinds & MAKES_STATE)]
+        # A pooled job's replica there (a worker lent to rollout, and back): its home now.
+        released: list[Action] = []
+        if self._replicas.get(chosen.worker_id, {}).pop(job.job_id, None) is not None:
+            released.append(Release(chosen.worker_id, job.job_id))
+        return [*released, Recover(job.job_id, chosen.worker_id, restore=self._restores(job, now))]
+
+    def _restores(self, job: _ScheduledJob, now: float) -> bool:
+        """Queue a ``restore`` ahead of the re-homed job's calls, unless one is pending or it never
+        opened (its ``open`` makes it): whether it did."""
+        if {self._calls[c].kind for c in job.unfinished} & MAKES_STATE:
+            return False
+        self._queue_own(job, "restore", now)
+        return True
+
+    def _queue_own(self, job: _ScheduledJob, kind: CallKind, now: float, after: _Call | None = None) -> None:
+        """Submit a call of the scheduler's own for ``job``: ahead of its other calls, or in the place
+        of the call ``after`` (just done) on its sampler worker."""
+        assert job.lost is None, f"no call of its own for lost job {job.job_id}"
+        call_id = next(self._own_ids)
+        self._own[call_id] = OwnCall(job.job_id, kind, follows=after.call_id if after is not None else 0)
+        call = self._new_call(call_id, job.job_id, kind, 0, front=after is None)
+        if after is not None:
+            call = replace(call, seq=after.seq, lane=SAMPLER)
+        self._submit(call, now)
+
+    def follows_on(self, call_id: int) -> bool:
+        """The call, if it ends well, goes on as a call of the scheduler's own on its job's sampler
+        worker (``_follow_on``): its caller hears once that one is done."""
+        call = self._calls.get(call_id)
+        job = self._jobs.get(call.job_id) if call is not None else None
+        if call is None or job is None or call_id in self._own or call.kind not in FOLLOW_ON:
+            return False
+        return job.sampler != job.home and not job.members and job.sampler in self._workers
+
+    def _follow_on(self, done: _Call, now: float) -> None:
+        """A disaggregated job's barrier ended well on its home: its sampler worker does its part next,
+        in the barrier's place (nothing of the job passes it)."""
+        job = self._jobs[done.job_id]
+        self._queue_own(job, FOLLOW_ON[done.kind], now, after=done)
 
     def _lose_job(self, job: _ScheduledJob, error: PlexError, now: float) -> list[Action]:
         """The job cannot go on: fail its calls (and every later one) with ``error``; the slots
@@ -962,6 +1123,7 @@ class Scheduler:
         actions: list[Action] = []
         for call_id in sorted(job.unfinished):
             self._calls.pop(call_id, None)
+            self._own.pop(call_id, None)
             actions.append(Fail(job.job_id, call_id, error))
         freed: set[str] = set()
         for lane in (SAMPLER, TRAINER):
@@ -980,6 +1142,7 @@ class Scheduler:
         job.unfinished.clear()
         job.barriers.clear()
         self._waiting.discard(job.job_id)
+        actions.append(JobLost(job.job_id, error))
         for worker_id in sorted(freed):
             actions += self._dispatch(self._workers[worker_id], now)
         return actions
@@ -988,7 +1151,7 @@ class Scheduler:
         """Start what ``worker`` can start, and move state in or out (or switch its engines) for
         what cannot start yet."""
         actions: list[Action] = []
-        if worker.used_bytes > worker.budget and worker.moving is None:  # a job outgrew the budget (or a base came)
+        if worker.used_bytes > worker.budget and worker.swapping is None:  # a job outgrew the budget (or a base came)
             victim = self._victim(worker, None, now)
             if victim is not None:
                 actions += self._evict(worker, victim)
@@ -1018,6 +1181,7 @@ class Scheduler:
             for call in startable:
                 if not self._may_start(worker, job, call, gate):
                     break
+                actions += self._replicate(worker, job, call)
                 actions.append(self._start(worker, job, call, needs_state, now))
         worker.wanted, worker.wanted_for = gate.want, gate.want_for
         if gate.want and now - worker.engines_since >= worker.switch_s and not self._holds_engines(worker):
@@ -1034,7 +1198,7 @@ class Scheduler:
                 startable = self._startable(job, lane)
                 if startable:
                     entries.append((job, startable))
-        if worker.role == "rollout" and not worker.moving_to and self._pooled:
+        if self._takes_turns(worker) and self._pooled:
             buckets: dict[int, bool] = {}  # each bucket (ascending): whether a worker of it has a free slot
             for w in sorted(self._rollout(), key=lambda w: w.bucket):
                 buckets[w.bucket] = buckets.get(w.bucket, False) or len(w.running) < w.slots
@@ -1080,7 +1244,7 @@ class Scheduler:
         # A pooled turn's engine priority is its level (lower runs first): the MLFQ inside a bucket.
         priority = call.level if pooled_turn else call.priority
         exclusive = call.lane == TRAINER and self._turns_left_on(worker)
-        return Dispatch(call.call_id, worker.worker_id, priority, exclusive)
+        return Dispatch(call.call_id, worker.worker_id, priority, exclusive, own=self._own.get(call.call_id))
 
     def _bring_in(self, worker: _Worker, job: _ScheduledJob, room: bool, now: float) -> list[Action]:
         """``job``'s next call waits for its state: move it in if there is room, else move another
@@ -1088,10 +1252,10 @@ class Scheduler:
         if job.state.waiting_since_s is None:
             job.state.waiting_since_s = now
             self._waiting.add(job.job_id)
-        if worker.moving is not None or job.state.tier != rs.HOST:
+        if worker.swapping is not None or job.state.tier != rs.HOST:
             return []
         if room:
-            return [self._move(worker, job, rs.DEVICE)]
+            return [self._swap(worker, job, rs.DEVICE)]
         victim = self._victim(worker, job, now)
         return self._evict(worker, victim) if victim is not None else []
 
@@ -1210,6 +1374,9 @@ class Scheduler:
             if call.kind in BARRIERS:
                 return [call] if min(self._calls[c].seq for c in job.unfinished) == call.seq else []
             return [call] if first_barrier is None or call.seq < first_barrier else []
+        head = self._calls[queue[0]]
+        if head.kind in BARRIERS:  # a disaggregated job's follow-on: its barrier's part on this worker
+            return [head] if min(self._calls[c].seq for c in job.unfinished) == head.seq else []
         calls = [self._calls[c] for c in queue if first_barrier is None or self._calls[c].seq < first_barrier]
         return sorted(calls, key=lambda c: (c.level, c.priority, c.seq))
 
@@ -1229,21 +1396,21 @@ class Scheduler:
         ]
         return self.policy.victim(self, worker, idle, waiting, now) if idle else None
 
-    def _move(self, worker: _Worker, job: _ScheduledJob, to: Tier) -> Swap:
+    def _swap(self, worker: _Worker, job: _ScheduledJob, to: Tier) -> Swap:
         size = job.state.state_bytes
-        worker.moving = _Move(job.job_id, to, size)
-        self._moving[job.job_id] = worker.worker_id
+        worker.swapping = _SwapInFlight(job.job_id, to, size)
+        self._swapping[job.job_id] = worker.worker_id
         job.state.tier = rs.TO_DEVICE if to == rs.DEVICE else rs.TO_HOST
         if to == rs.DEVICE:
             worker.used_bytes += size  # reserved now, so nothing else takes the room
         return Swap(job.job_id, worker.worker_id, to, size)
 
     def _swap_done(self, job_id: str, seconds: float, moved_bytes: int | None, ok: bool) -> str | None:
-        worker_id = self._moving.pop(job_id, None)
+        worker_id = self._swapping.pop(job_id, None)
         worker = self._workers.get(worker_id) if worker_id is not None else None
-        if worker is None or worker.moving is None or worker.moving.job_id != job_id:
+        if worker is None or worker.swapping is None or worker.swapping.job_id != job_id:
             return None
-        move, worker.moving = worker.moving, None
+        move, worker.swapping = worker.swapping, None
         moved = move.state_bytes if moved_bytes is None else moved_bytes
         if ok and seconds > 0 and moved > 0:  # measured bandwidth refines the cost model
             worker.bytes_per_s = 0.5 * worker.bytes_per_s + 0.5 * moved / seconds
@@ -1315,8 +1482,7 @@ class Scheduler:
             return []
         del self._homeless[job.job_id]
         self._seat(job, chosen)  # its state is in host memory (or nowhere): made on the block by its restore
-        kinds = {self._calls[c].kind for c in job.unfinished}
-        return [Recover(job.job_id, job.home, restore=not kinds & MAKES_STATE, members=job.members)]
+        return [Recover(job.job_id, job.home, restore=self._restores(job, now), members=job.members)]
 
     def _dispatch_group(self, job: _ScheduledJob, startable: list[_Call], now: float) -> list[Action]:
         """Start the group's next call on all its members at once, or bring its shards in on all of them."""
@@ -1339,10 +1505,10 @@ class Scheduler:
         if job.state.tier != rs.HOST:
             return []  # moving
         if room:
-            return self._move_group(job, rs.DEVICE)
+            return self._swap_group(job, rs.DEVICE)
         actions: list[Action] = []
         for w in members:  # make room on each member that lacks it
-            if w.moving is None and w.used_bytes + size > w.budget:
+            if w.swapping is None and w.used_bytes + size > w.budget:
                 victim = self._victim(w, job, now)
                 if victim is not None:
                     actions += self._evict(w, victim)
@@ -1367,7 +1533,7 @@ class Scheduler:
             self.ledger.call_started(w.worker_id, job.job_id, now)
         self._ran_on[call.call_id] = job.home
         self._gangs[call.call_id] = (job.job_id, job.members)
-        return [Dispatch(call.call_id, job.home, call.priority)]
+        return [Dispatch(call.call_id, job.home, call.priority, own=self._own.get(call.call_id))]
 
     def _release_gang(self, call_id: int, now: float) -> list[str]:
         """Free a group call's slots on the members other than its leader (whose slot is freed as any
@@ -1399,8 +1565,8 @@ class Scheduler:
         """Take a group job off its members (it closed, or lost a member): free each member's shard,
         slots and claim; its running calls go back to its queues (``requeue``) or are left unfinished
         (for ``_lose_job`` to fail). Returns the members still registered."""
-        self._group_moves.pop(job.job_id, None)
-        self._moving.pop(job.job_id, None)
+        self._group_swaps.pop(job.job_id, None)
+        self._swapping.pop(job.job_id, None)
         for lane in (SAMPLER, TRAINER):
             for call_id in sorted(job.running[lane]):
                 self._release_gang(call_id, now)
@@ -1416,8 +1582,8 @@ class Scheduler:
         for w in survivors:
             if job.state.tier != rs.HOST:  # on the device, or on its way in or out: counted there
                 w.used_bytes -= job.state.state_bytes
-            if w.moving is not None and w.moving.job_id == job.job_id:
-                w.moving = None  # its SwapDone, when it comes, finds no move to settle
+            if w.swapping is not None and w.swapping.job_id == job.job_id:
+                w.swapping = None  # its SwapDone, when it comes, finds no move to settle
             w.jobs.discard(job.job_id)
             if w.gang == job.job_id:
                 w.gang = ""
@@ -1428,27 +1594,27 @@ class Scheduler:
     def _evict(self, worker: _Worker, victim: _ScheduledJob) -> list[Action]:
         """Move ``victim``'s state off ``worker`` (a group's off all its members, once none is moving)."""
         if not victim.members:
-            return [self._move(worker, victim, rs.HOST)]
-        return self._move_group(victim, rs.HOST)
+            return [self._swap(worker, victim, rs.HOST)]
+        return self._swap_group(victim, rs.HOST)
 
-    def _move_group(self, job: _ScheduledJob, to: Tier) -> list[Action]:
+    def _swap_group(self, job: _ScheduledJob, to: Tier) -> list[Action]:
         """Move a group job's shards on all its members at once (none if one of them is moving)."""
         members = [self._workers[m] for m in job.members]
-        if any(w.moving is not None for w in members):
+        if any(w.swapping is not None for w in members):
             return []
-        self._group_moves[job.job_id] = _GroupMove(to, set(job.members))
-        return [self._move(w, job, to) for w in members]
+        self._group_swaps[job.job_id] = _GroupSwap(to, set(job.members))
+        return [self._swap(w, job, to) for w in members]
 
     def _group_swap_done(
         self, job_id: str, worker_id: str, seconds: float, moved_bytes: int | None, ok: bool
     ) -> list[str]:
         """One member's shard moved; once all have, the group's state is where they all put it (any
         failure: where it was, everywhere). Returns the members that may start calls now."""
-        group_move = self._group_moves[job_id]
+        group_move = self._group_swaps[job_id]
         worker = self._workers.get(worker_id)
-        if worker is None or worker.moving is None or worker.moving.job_id != job_id:
+        if worker is None or worker.swapping is None or worker.swapping.job_id != job_id:
             return []
-        move, worker.moving = worker.moving, None
+        move, worker.swapping = worker.swapping, None
         group_move.pending.discard(worker_id)
         group_move.ok &= ok
         moved = move.state_bytes if moved_bytes is None else moved_bytes
@@ -1457,8 +1623,8 @@ class Scheduler:
         self.ledger.swapped(job_id, moved, seconds)
         if group_move.pending:
             return [worker_id]  # it may start other jobs' calls meanwhile
-        del self._group_moves[job_id]
-        self._moving.pop(job_id, None)
+        del self._group_swaps[job_id]
+        self._swapping.pop(job_id, None)
         job = self._jobs.get(job_id)
         on_device = (group_move.to == rs.DEVICE) == group_move.ok
         members = [self._workers[m] for m in (job.members if job is not None else ()) if m in self._workers]

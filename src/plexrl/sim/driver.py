@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.names import Role
+from plexrl.plan import served_bytes
 from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, job_rngs, program
 from plexrl.trace import Span
 
@@ -85,6 +86,8 @@ class SimResult:
     swap_s: float = 0.0
     timeline: list[Span] = field(default_factory=list)  # each call, as plexrl.trace writes real runs' calls
     role_moves: int = 0  # workers moved between rollout and training
+    weight_pushes: int = 0  # pooled jobs' weights pushed to rollout workers before their turns there
+    push_s: float = 0.0  # and their seconds (each turn behind one starts that much later)
 
     @property
     def trained_samples_per_s(self) -> float:
@@ -124,7 +127,7 @@ class _Running:
     work: Work
     left: float  # decode steps (generate) or seconds (other calls) still to do
     started_s: float
-    runner: _Runner
+    runner: _Runner | None  # None: a call of the scheduler's own
     members: tuple[str, ...] = ()  # a group call: the members besides the device it is modelled on
     exclusive: bool = False  # the device's generates pause while it runs (``events.Dispatch``)
 
@@ -194,8 +197,10 @@ class Simulation:
         self._timeline: list[Span] = []
         self.scheduler = scheduler or sch.Scheduler(policy)
         self.move_s = move_s
-        self._moves: dict[str, Role] = {}  # worker -> the role it is moving to (draining its calls)
         self._role_moves = 0
+        self._pushes: dict[tuple[str, str], float] = {}  # (rollout worker, job) -> a push its next turn waits for
+        self._weight_pushes = 0
+        self._push_s = 0.0
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []  # (time, tie-break, action)
         self._seq = itertools.count()
@@ -204,7 +209,7 @@ class Simulation:
         self.node_devices = node_devices
         self._devices = {w: _Device(tp=spec.tp, comm_s=spec.comm_s) for w, spec in self._specs.items()}
         self._jobs: dict[str, _SimJob] = {}
-        self._calls: dict[int, tuple[str, Work, _Runner]] = {}  # submitted, not yet dispatched
+        self._calls: dict[int, tuple[str, Work, _Runner | None]] = {}  # submitted, not yet dispatched
         for i, (model, rng) in enumerate(zip(jobs, job_rngs(seed, len(jobs)), strict=True)):
             job_id = f"{model.name}-{i}"
             runner = _Runner(program(model, rng))
@@ -239,6 +244,8 @@ class Simulation:
             swap_s=self._swap_s,
             timeline=self._timeline,
             role_moves=self._role_moves,
+            weight_pushes=self._weight_pushes,
+            push_s=self._push_s,
         )
 
     def _open(self, job_id: str) -> None:
@@ -264,12 +271,24 @@ class Simulation:
                     job = self._jobs[job_id]
                     job.result.worker, job.result.started_s, job.result.members = worker_id, self.now, members
                     self._advance(job_id, job.runner)
-                case ev.Dispatch(call_id, worker_id, _, exclusive):
-                    self._start(call_id, worker_id, exclusive)
-                case ev.MoveWorker(worker_id, role):
-                    self._moves[worker_id] = role
+                case ev.Replicate(worker_id, job_id, _, weights, weight_bytes) if weights:
+                    seconds = weight_bytes / self.swap_bytes_per_s
+                    self._pushes[(worker_id, job_id)] = seconds
+                    self._weight_pushes += 1
+                    self._push_s += seconds
+                case ev.Dispatch(call_id, worker_id, _, exclusive, own):
+                    if own is not None:  # the scheduler's own call: a disaggregated job's weights pushed
+                        self._calls[call_id] = (own.job_id, self._own_work(own), None)
+                    push_s = self._pushes.pop((worker_id, self._calls[call_id][0]), 0.0)
+                    start = functools.partial(self._start, call_id, worker_id, exclusive)
+                    if push_s:  # the turn runs once the weights it samples have arrived
+                        self._at(self.now + push_s, start)
+                    else:
+                        start()
+                case ev.MoveWorker(worker_id, role):  # drained: it switches (``move_s``)
                     self._role_moves += 1
-                    self._drained(worker_id)
+                    switched = ev.WorkerRole(worker_id, role, seconds=self.move_s)
+                    self._at(self.now + self.move_s, functools.partial(self._handle, switched))
                 case ev.Fail(job_id, _, error):
                     self._jobs[job_id].result.error = error.message
                 case ev.Swap(job_id, worker_id, _, state_bytes):
@@ -284,18 +303,16 @@ class Simulation:
                     moved = ev.EnginesMoved(worker_id, seconds)
                     self._at(self.now + seconds, functools.partial(self._handle, moved))
 
+    def _own_work(self, own: ev.OwnCall) -> Work:
+        """What a call of the scheduler's own costs: weights crossing to a sampler worker (a
+        follow-on's ``set_weights``) or a job's state rebuilt (``restore``), at the swap bandwidth;
+        a replica's ``open`` or ``close`` costs nothing here (as the job's own do not)."""
+        state = self._jobs[own.job_id].model.state_bytes
+        moved = {"set_weights": served_bytes(state), "restore": state}.get(own.kind, 0)
+        return Work(own.kind, seconds=moved / self.swap_bytes_per_s)
+
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))
-
-    def _drained(self, worker_id: str) -> None:
-        """A worker moving between roles whose calls have all ended switches (``move_s``) and
-        tells the scheduler it is done."""
-        role = self._moves.get(worker_id)
-        if role is None or self._devices[worker_id].running:
-            return
-        del self._moves[worker_id]
-        done = ev.WorkerRole(worker_id, role, seconds=self.move_s)
-        self._at(self.now + self.move_s, functools.partial(self._handle, done))
 
     def _advance(self, job_id: str, runner: _Runner) -> None:
         """Run one of the job's programs up to its next call (tool waits pass on the virtual clock)."""
@@ -387,7 +404,7 @@ class Simulation:
             result.trained_samples += r.work.samples
             if r.work.kind == "optim_step":
                 result.steps_done_s.append(self.now)
-            self._advance(r.job_id, r.runner)
+            if r.runner is not None:
+                self._advance(r.job_id, r.runner)
         device.completing = False
         self._reschedule(worker_id, device)
-        self._drained(worker_id)
