@@ -27,6 +27,7 @@ from plexrl.coordinator.events import (
     Place,
     Recover,
     Release,
+    ReplicaFailed,
     Replicate,
     Swap,
     SwapDone,
@@ -1091,6 +1092,45 @@ def _pool(*buckets: int, slots: int = 2) -> Scheduler:
     return s
 
 
+def test_a_rollout_worker_gets_a_replica_and_each_new_version_of_the_weights_just_ahead_of_a_turn() -> None:
+    s = _pool(0, 0, slots=1)
+    s.handle(JobSized("a", 16 * G), 0.0)
+    first = s.handle(CallSubmitted(1, "a", "generate", trajectory="t"), 0.0)  # the job's initial weights
+    assert first == [Replicate("r0", "a", open=True, weights=False, weight_bytes=2 * G), Dispatch(1, "r0")]
+    s.handle(CallFinished(1), 1.0)
+    assert s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0) == [Dispatch(2, "r0")]  # has them
+    s.handle(CallFinished(2), 2.0)
+    assert s.handle(CallSubmitted(3, "a", "sync_weights"), 2.0) == [Dispatch(3, "w0")]
+    s.handle(CallFinished(3), 3.0)
+    # New weights: the next turn there gets them first; r1, new, gets a replica and them.
+    again = s.handle(CallSubmitted(4, "a", "generate", trajectory="t"), 3.0)
+    assert again == [Replicate("r0", "a", open=False, weights=True, weight_bytes=2 * G), Dispatch(4, "r0")]
+    fresh = s.handle(CallSubmitted(5, "a", "generate", trajectory="u"), 3.0)
+    assert fresh == [Replicate("r1", "a", open=True, weights=True, weight_bytes=2 * G), Dispatch(5, "r1")]
+    # r1 could not take them: it gets them again before its next turn of the job (and frees what it holds).
+    assert s.handle(ReplicaFailed("r1", "a"), 3.5) == [Release("r1", "a")]
+    s.handle(CallFinished(4), 4.0)
+    s.handle(CallFinished(5), 4.0)
+    retry = s.handle(CallSubmitted(6, "a", "generate", trajectory="u"), 4.0)
+    assert retry[0] == Replicate("r1", "a", open=True, weights=True, weight_bytes=2 * G)
+    s.handle(CallFinished(6), 5.0)
+    # The job closes: its replicas go.
+    assert s.handle(JobClosed("a"), 6.0) == [Release("r0", "a"), Release("r1", "a")]
+
+
+def test_a_lost_jobs_surviving_worker_is_released_when_the_job_is_forgotten() -> None:
+    s = Scheduler()
+    for e in [WorkerJoined("w0"), WorkerJoined("w1"), JobOpened("d", disaggregated=True)]:
+        s.handle(e, 0.0)
+    s.handle(CallSubmitted(1, "d", "open"), 0.0)
+    follow = OwnCall("d", "open", follows=1)
+    assert s.handle(CallFinished(1), 1.0) == [Dispatch(-1, "w1", own=follow)]  # its replica opens on w1
+    assert s.handle(CallFinished(-1), 2.0) == []
+    lost = s.handle(WorkerLost("w1", "test"), 3.0)
+    assert [type(a) for a in lost] == [JobLost]
+    assert s.handle(JobClosed("d"), 4.0) == [Release("w0", "d")]  # what its home still holds
+
+
 def test_the_mlfq_moves_a_trajectory_down_by_service_and_by_what_its_tools_said() -> None:
     q = Mlfq(levels=4, service_s=(2.0, 8.0), turns_per_level=4, errors_per_level=1, budget_fraction=0.5)
     assert q.level(TurnSignals(), 0.0) == 0
@@ -1219,7 +1259,7 @@ def test_a_worker_moved_to_training_finishes_its_turns_and_takes_no_more() -> No
 
 
 def _routing(actions: list) -> list:
-    """The actions but the replicas that go ahead of pooled turns (``test_a_rollout_worker_gets_...``)."""
+    """The actions but the replicas that go ahead of pooled turns (tested on their own above)."""
     return [a for a in actions if not isinstance(a, Replicate)]
 
 
