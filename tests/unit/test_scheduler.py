@@ -614,8 +614,9 @@ libra_op = st.one_of(  # pooled jobs' turns on rollout workers of a few buckets,
 
 @pytest.mark.parametrize("policy", POLICIES)
 # Derandomized: CI tries the same sequences every run. And a sequence a random run found: a pooled
-# turn waits for a rollout worker moving to training, which the progress phase settles as the
-# server does (before, the model left such a move unsettled forever and the turn looked lost).
+# turn waits for a rollout worker moving to training, whose switch the progress phase answers once
+# the scheduler sends its MoveWorker (before, the model left such a move unsettled forever and the
+# turn looked lost).
 @settings(max_examples=1000, deadline=None, derandomize=True)
 @given(ops=st.lists(libra_op, min_size=30, max_size=80))
 @example(ops=[*[("join", 1)] * 7, ("rollout", 0), *[("role", 0)] * 3, *[("open", 12)] * 5, *[("lose", 0)] * 7,
@@ -670,7 +671,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
     follow_owed: dict[str, int] = {}  # disaggregated job -> its barrier whose follow-on is not seen yet
     follow_ons: set[int] = set()  # the scheduler's own calls that carry on a barrier on a sampler worker
     owed: collections.Counter[str] = collections.Counter()  # job -> restores the scheduler queued, not yet seen
-    opening: list[str] = []  # jobs placed on no worker (none registered): the server submits their open
+    opening: list[str] = []  # jobs placed on no worker (none registered): their client's open follows the Place
     next_call, n_workers, n_jobs, t = 1, 0, 0, 0.0
 
     def submit(job: str, kind: str, priority: int = 0, front: bool = False, signals: TurnSignals | None = None) -> None:
