@@ -7,18 +7,71 @@ recently used out). ``plex``: jobs packed by expected load and base model; calls
 then calls that unblock a whole stage (``CRITICAL``), then the job furthest below its weighted
 fair share of accelerator-seconds; state moved out only when that pays
 (``residency.pays_to_evict``) or a waiting job starves.
+
+A policy sees the scheduler's records through read-only protocols (``WorkerFacts``, ``JobFacts``,
+``CallFacts``, ``SchedulerFacts``): mypy holds it to choosing among them, never changing them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from plexrl.coordinator import residency as rs
+from plexrl.coordinator.accounting import Ledger
 from plexrl.errors import NoWorkersError
+from plexrl.names import CallKind, Role
 
-if TYPE_CHECKING:
-    from plexrl.coordinator.scheduler import Scheduler, _Call, _ScheduledJob, _Worker
+# -- what a policy sees of the scheduler's records
+
+
+class WorkerFacts(Protocol):
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def jobs(self) -> AbstractSet[str]: ...  # jobs whose home it is
+    @property
+    def samplers(self) -> AbstractSet[str]: ...  # disaggregated jobs whose generates run there
+    @property
+    def role(self) -> Role: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def budget(self) -> float: ...
+    @property
+    def bytes_per_s(self) -> float: ...
+
+
+class JobFacts(Protocol):
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def base(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def state(self) -> rs.Residency: ...
+
+
+class CallFacts(Protocol):
+    @property
+    def call_id(self) -> int: ...
+    @property
+    def kind(self) -> CallKind: ...
+
+
+class SchedulerFacts(Protocol):
+    @property
+    def ledger(self) -> Ledger: ...
+    def workers(self) -> Sequence[WorkerFacts]: ...
+    def job(self, job_id: str) -> JobFacts: ...
+    def waits_for_move(self, job: Any, call: Any, worker: Any) -> bool: ...
+
+
+W = TypeVar("W", bound=WorkerFacts)  # a policy returns one of the workers it was given
+J = TypeVar("J", bound=JobFacts)  # and one of the jobs
 
 NEW_JOB_LOAD = 0.5  # plex: the busy fraction a job is expected to need until it has been observed
 OBSERVE_S = 300.0  # plex: a job's own busy fraction replaces the guess after this long
@@ -32,22 +85,24 @@ class Policy:
     name: ClassVar[str] = "fifo"
 
     def place(
-        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
-    ) -> _Worker | NoWorkersError:
+        self, s: SchedulerFacts, fitting: Sequence[W], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> W | NoWorkersError:
         """The home for a job (new, or re-homed) among the workers its state fits."""
         return min(fitting, key=lambda w: len(w.jobs))  # fewest jobs; ties: the worker that joined first
 
-    def sampler(self, others: list[_Worker]) -> _Worker | None:
+    def sampler(self, others: Sequence[W]) -> W | None:
         """A disaggregated job's sampler worker among the workers other than its home."""
         return min(others, key=lambda w: (len(w.samplers), len(w.jobs)), default=None)
 
-    def rank(self, s: Scheduler, worker: _Worker, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+    def rank(
+        self, s: SchedulerFacts, worker: WorkerFacts, job: JobFacts, call: CallFacts, now: float
+    ) -> tuple[Any, ...]:
         """The order in which ``worker``'s ready lanes start (lowest first)."""
         return (call.call_id,)  # the oldest call first
 
     def victim(
-        self, s: Scheduler, worker: _Worker, idle: list[_ScheduledJob], waiting: _ScheduledJob | None, now: float
-    ) -> _ScheduledJob | None:
+        self, s: SchedulerFacts, worker: WorkerFacts, idle: Sequence[J], waiting: JobFacts | None, now: float
+    ) -> J | None:
         """Which of ``idle`` (resident, nothing running) to move to host memory so ``waiting`` can
         come in (None: the device is over its budget), or None to move nothing now."""
         return min(idle, key=lambda j: j.state.last_done_s if j.state.last_done_s is not None else -math.inf)
@@ -61,8 +116,8 @@ class Dedicated(Policy):
     name = "dedicated"
 
     def place(
-        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
-    ) -> _Worker | NoWorkersError:
+        self, s: SchedulerFacts, fitting: Sequence[W], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> W | NoWorkersError:
         free = [w for w in fitting if not w.jobs and not w.samplers]  # a worker of its own
         idle = [w for w in s.workers() if not w.jobs and not w.samplers and w.role != "rollout"]
         if not free or (disaggregated and len(idle) < 2):
@@ -72,7 +127,7 @@ class Dedicated(Policy):
             )
         return super().place(s, free, state_bytes, base, disaggregated, now)
 
-    def sampler(self, others: list[_Worker]) -> _Worker | None:
+    def sampler(self, others: Sequence[W]) -> W | None:
         return super().sampler([w for w in others if not w.jobs and not w.samplers])
 
 
@@ -80,8 +135,8 @@ class Plex(Policy):
     name = "plex"
 
     def place(
-        self, s: Scheduler, fitting: list[_Worker], state_bytes: int, base: str, disaggregated: bool, now: float
-    ) -> _Worker | NoWorkersError:
+        self, s: SchedulerFacts, fitting: Sequence[W], state_bytes: int, base: str, disaggregated: bool, now: float
+    ) -> W | NoWorkersError:
         """Fill devices instead of spreading jobs thin, and keep a base model's jobs together (their
         generates batch). Among workers with room (expected busy fraction and device memory): the
         fullest whose jobs share this job's base, else an empty one, else the fullest. With room
@@ -103,22 +158,24 @@ class Plex(Policy):
         empty = [w for w in room if not w.jobs]  # a device of its own rather than one on another base
         return empty[0] if empty else min(room, key=lambda w: -loads[w.worker_id])
 
-    def load(self, s: Scheduler, job_id: str, now: float) -> float:
+    def load(self, s: SchedulerFacts, job_id: str, now: float) -> float:
         """The busy fraction a job needs of its device: observed once it has run a while."""
         usage = s.ledger.jobs.get(job_id)
         if usage is None or usage.wall_s(now) < OBSERVE_S:
             return NEW_JOB_LOAD
         return s.ledger.accelerator_s(job_id, now) / usage.wall_s(now)
 
-    def rank(self, s: Scheduler, worker: _Worker, job: _ScheduledJob, call: _Call, now: float) -> tuple[Any, ...]:
+    def rank(
+        self, s: SchedulerFacts, worker: WorkerFacts, job: JobFacts, call: CallFacts, now: float
+    ) -> tuple[Any, ...]:
         """Calls that can start without a move first; then calls that unblock a stage; then the job
         furthest below its weighted fair share of accelerator-seconds; then the oldest call."""
         served = s.ledger.accelerator_s(job.job_id, now) / job.weight
         return (s.waits_for_move(job, call, worker), call.kind not in CRITICAL, served, call.call_id)
 
     def victim(
-        self, s: Scheduler, worker: _Worker, idle: list[_ScheduledJob], waiting: _ScheduledJob | None, now: float
-    ) -> _ScheduledJob | None:
+        self, s: SchedulerFacts, worker: WorkerFacts, idle: Sequence[J], waiting: JobFacts | None, now: float
+    ) -> J | None:
         if waiting is not None:
             paying = [j for j in idle if rs.pays_to_evict(j.state, worker.bytes_per_s)]
             if paying:
