@@ -31,7 +31,7 @@ from plexrl.errors import (
     TooManyCallsError,
     UnknownJobError,
 )
-from plexrl.names import PLACEMENTS
+from plexrl.names import PLACEMENTS, JobStatus
 from plexrl.protocol import auth, calls
 from plexrl.protocol import messages as m
 
@@ -108,22 +108,25 @@ class Book:
         self._reattach_waiters = [w for w in self._reattach_waiters if w.client != ident]
         for rec in [r for r in self._calls.values() if r.client == ident]:
             self.cancel(ident, rec.client_rid)
-        for job in [j for j in self._jobs.values() if j.client == ident and self._reports.status_of(j) == "open"]:
+        for job in [j for j in self._jobs.values() if j.client == ident and self._status(j) == "open"]:
             job.suspended, job.suspended_at = True, self._now()
             log.warning("job %s suspended: its client went silent (grace %g s)", job.job_id, self.config.client_grace_s)
             if self.config.client_grace_s <= 0:
                 self._free(job, "its client went away (no grace period)")
             else:
                 self._serve_reattach(job)
-        for job in [j for j in self._jobs.values() if j.client == ident and self._reports.status_of(j) == "lost"]:
+        for job in [j for j in self._jobs.values() if j.client == ident and self._status(j) == "lost"]:
             self._free(job, "its client went away")
 
     def free_unclaimed(self, now: float) -> None:
         """Close the suspended jobs whose client did not reattach within the grace period."""
         grace = self.config.client_grace_s
-        for job in [j for j in self._jobs.values() if self._reports.status_of(j) == "suspended"]:
+        for job in [j for j in self._jobs.values() if self._status(j) == "suspended"]:
             if now - job.suspended_at >= grace:
                 self._free(job, f"its client went away and did not reattach within {grace:g} s")
+
+    def _status(self, job: JobRecord) -> JobStatus:
+        return records.status(job, self._scheduler.view(job.job_id))
 
     def _reply_error(self, ident: bytes, rid: int, err: PlexError) -> None:
         self._send(ident, m.ErrorReply(rid=rid, code=err.code, message=err.message))
@@ -184,7 +187,7 @@ class Book:
         """A client's call: checked (``_check``), then queued for the scheduler; a close of a job
         whose state exists nowhere is done at once."""
         job = self._check(ident, msg)
-        view = self._reports.view(job)
+        view = self._scheduler.view(job.job_id)
         if isinstance(msg.call, calls.Close) and (view.lost is not None or not view.home):
             # Lost, or waiting for a worker to be rebuilt on: its state exists nowhere, so closing
             # frees nothing (what a surviving worker holds of a lost job, the scheduler releases).
@@ -205,7 +208,7 @@ class Book:
             raise UnknownJobError(f"no job {msg.job_id!r} on this coordinator: open one with plexrl.job(...) first")
         if job.owner != self._peers[ident].tenant:
             raise NotJobOwnerError(f"job {msg.job_id!r} belongs to another tenant; a client may only use its own jobs")
-        status = self._reports.status_of(job)
+        status = self._status(job)
         if status == "closing":
             raise JobClosedError(f"job {msg.job_id!r} is closed: open a new job to keep going")
         if status == "suspended":
@@ -277,12 +280,12 @@ class Book:
             j for j in self._jobs.values()
             if j.owner == tenant and j.name == name and job_id in ("", j.job_id) and token in ("", j.token)
         ]  # fmt: skip
-        suspended = [j for j in mine if self._reports.status_of(j) == "suspended"]
+        suspended = [j for j in mine if self._status(j) == "suspended"]
         if suspended:
             job = max(suspended, key=lambda j: j.suspended_at)
             self._reattach_waiters.append(ReattachWaiter(ident, rid, tenant, name, job.job_id))
             self._serve_reattach(job)
-        elif any(self._reports.status_of(j) == "open" and j.client != ident for j in mine):
+        elif any(self._status(j) == "open" and j.client != ident for j in mine):
             self._reattach_waiters.append(ReattachWaiter(ident, rid, tenant, name, job_id))  # once its client is gone
         else:
             raise UnknownJobError(
@@ -295,7 +298,7 @@ class Book:
         client have finished (they may still change its state, and the commit point the new
         client hears must count them)."""
         busy = job.job_id in self._held or any(r.job_id == job.job_id and r.client for r in self._calls.values())
-        if self._reports.status_of(job) != "suspended" or busy:
+        if self._status(job) != "suspended" or busy:
             return
         waiter = next((w for w in self._reattach_waiters if w.wants(job)), None)
         if waiter is not None:
@@ -322,7 +325,7 @@ class Book:
         for waiter in [w for w in self._reattach_waiters if w.wants(job)]:
             self._reattach_waiters.remove(waiter)
             self._reply_error(waiter.client, waiter.rid, UnknownJobError(f"job {job.name!r} was closed: {reason}"))
-        if self._reports.status_of(job) == "lost":
+        if self._status(job) == "lost":
             self._remove_job(job.job_id)  # (what a surviving worker holds, the scheduler releases)
             return
         job.suspended, job.client = False, b""
@@ -350,13 +353,15 @@ class Book:
             result = rec.held.result if rec.held is not None else msg.result  # the home worker's
             if isinstance(result, calls.Synced) and isinstance(msg.result, calls.Synced) and msg.result.push_s:
                 result = msgspec.structs.replace(result, push_s=msg.result.push_s)  # the sampler worker timed it
-            if job is not None and self._reports.view(job).pooled:
+            if job is not None and self._scheduler.view(job.job_id).pooled:
                 result = self._keep_weights(job, result)
             if isinstance(result, calls.Opened):
                 self._apply(ev.JobSized(rec.job_id, result.state_bytes, snapshots=result.snapshots))
                 if job is not None and isinstance(rec.call, calls.Open):
                     job.opened = result
-                    if self._reports.view(job).recoverable and self._journal is not None:  # before its client hears
+                    if (
+                        self._scheduler.view(job.job_id).recoverable and self._journal is not None
+                    ):  # before its client hears
                         self._journal.opened(records.journal_row(job))
             if job is not None:
                 result = self._commit(job, rec, result)
@@ -381,7 +386,7 @@ class Book:
     def _commit(self, job: JobRecord, rec: CallRecord, result: calls.Result) -> calls.Result:
         """The job's commit point moves to ``rec`` (``records.commit``); a recoverable job's is
         journaled before the client hears. Returns the result for the client."""
-        recoverable = self._reports.view(job).recoverable
+        recoverable = self._scheduler.view(job.job_id).recoverable
         done = records.commit(job, rec, result, recoverable)
         if recoverable and self._journal is not None and isinstance(rec.call, records.STATEFUL):
             row = records.journal_row(job)
@@ -443,7 +448,7 @@ class Book:
             log.warning("job %s goes to worker %s", job.job_id, worker_id)
         else:
             log.warning("job %s waits for a worker that can take it", job.job_id)
-        if not worker_id and self._reports.status_of(job) == "closing":  # its state exists nowhere: the close is done
+        if not worker_id and self._status(job) == "closing":  # its state exists nowhere: the close is done
             for rec in [r for r in self._calls.values() if r.job_id == job.job_id and isinstance(r.call, calls.Close)]:
                 self._forget(rec)
                 if rec.client:
@@ -462,7 +467,7 @@ class Book:
                 self._call_of[(rec.client, rec.client_rid)] = call_id
             return rec
         assert own.kind == "restore", own
-        rec = self._calls[call_id] = records.restore(job, call_id, self._reports.view(job).pooled, self._now())
+        rec = self._calls[call_id] = records.restore(job, call_id, self._scheduler.view(job.job_id).pooled, self._now())
         return rec
 
     def _tenant_folder(self, ident: bytes) -> str:
@@ -478,7 +483,7 @@ class Book:
                 rec.dispatched_at = self._now()
                 call = rec.sent or rec.call
                 job = self._jobs.get(rec.job_id)
-                view = self._reports.view(job) if job is not None else None
+                view = self._scheduler.view(job.job_id) if job is not None else None
                 # A disaggregated job's sampler worker, or a pooled job's rollout workers, get the weights next.
                 export = view is not None and (bool(view.sampler) or view.pooled)
                 if export and isinstance(call, calls.SyncWeights):

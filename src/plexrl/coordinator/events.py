@@ -206,8 +206,9 @@ class Recover:
     """The job's home was lost and the job lives on, on ``worker_id``: its state is rebuilt there
     by a ``restore`` call of the scheduler's own (``OwnCall``), queued ahead of its other calls when
     ``restore`` is set (it is not when one is already pending, or the job never finished opening).
-    Its calls that were running there are queued again. ``worker_id`` "": no worker can take it now; it waits (up to
-    the scheduler's ``recovery_wait_s``) for one to join, and then gets another ``Recover``."""
+    Its calls that were running there are queued again. ``worker_id`` "": no worker can take it
+    now; it waits (up to the scheduler's ``recovery_wait_s``) for one to join, and then gets
+    another ``Recover``."""
 
     job_id: str
     worker_id: str

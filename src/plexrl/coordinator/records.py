@@ -14,7 +14,9 @@ import msgspec
 from plexrl.coordinator import events as ev
 from plexrl.coordinator.events import OwnCall
 from plexrl.coordinator.journal import JobRow, JournaledJob
+from plexrl.coordinator.scheduler import JobView
 from plexrl.errors import InvalidRequestError
+from plexrl.names import JobStatus
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.protocol.liveness import Liveness
@@ -116,6 +118,11 @@ class ReattachWaiter:
 
     def wants(self, job: JobRecord) -> bool:
         return (self.tenant, self.name) == (job.owner, job.name) and self.job_id in ("", job.job_id)
+
+
+def status(job: JobRecord, view: JobView) -> JobStatus:
+    """The job's status: the scheduler's facts first (lost, closing), then its client's lease."""
+    return "lost" if view.lost else "closing" if view.closing else "suspended" if job.suspended else "open"
 
 
 def journal_row(job: JobRecord) -> JobRow:

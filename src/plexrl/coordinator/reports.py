@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 from plexrl.coordinator import scheduler as sch
 from plexrl.coordinator.metrics import Metrics
-from plexrl.coordinator.records import CallRecord, JobRecord, Peer, WorkerRecord, wire_bytes
-from plexrl.names import JobStatus
+from plexrl.coordinator.records import CallRecord, JobRecord, Peer, WorkerRecord, status, wire_bytes
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
 from plexrl.trace import Span
@@ -40,18 +39,6 @@ class Reports:
         self._spans_recorded = 0
         self._now = clock
         self._clock_zero = clock()
-
-    # -- the scheduler's facts of a job ---------------------------------------------------------
-
-    def view(self, job: JobRecord) -> sch.JobView:
-        """Where ``job`` runs, whether it is closing or lost, pooled, recoverable."""
-        view = self._scheduler.view(job.job_id)
-        assert view is not None, f"job {job.job_id} is in the book and not in the scheduler"
-        return view
-
-    def status_of(self, job: JobRecord) -> JobStatus:
-        view = self.view(job)
-        return "lost" if view.lost else "closing" if view.closing else "suspended" if job.suspended else "open"
 
     # -- trace ----------------------------------------------------------------------------------
 
@@ -104,7 +91,9 @@ class Reports:
                 engines=w.info.engines,
                 memory_budget_bytes=wire_bytes(self._scheduler.budget(w.worker_id)),
                 jobs=sorted(
-                    j.job_id if visible(j) else "" for j in self._jobs.values() if self.view(j).home == w.worker_id
+                    j.job_id if visible(j) else ""
+                    for j in self._jobs.values()
+                    if self._scheduler.view(j.job_id).home == w.worker_id
                 ),
                 calls_done=w.calls_done,
                 busy_s=self._scheduler.busy_s(w.worker_id, now),
@@ -123,7 +112,7 @@ class Reports:
         ledger = self._scheduler.ledger
         usage = ledger.jobs.get(j.job_id)
         residency = self._scheduler.residency(j.job_id)
-        view = self.view(j)
+        view = self._scheduler.view(j.job_id)
         return m.JobInfo(
             job_id=j.job_id,
             name=j.name,
@@ -132,7 +121,7 @@ class Reports:
             queued=self._scheduler.queued(j.job_id),
             running=self._scheduler.is_running(j.job_id),
             calls_done=j.calls_done,
-            state=self.status_of(j),
+            state=status(j, self._scheduler.view(j.job_id)),
             tier=residency.tier if residency else "",
             sampler_worker_id=view.sampler,
             state_bytes=residency.state_bytes if residency else 0,
@@ -146,5 +135,5 @@ class Reports:
 
     def _redacted(self, j: JobRecord) -> m.JobInfo:
         """Another tenant's job as ``plexrl status`` shows it: where it runs and its state, nothing else."""
-        return m.JobInfo(job_id="", name="", owner="", worker_id=self.view(j).home, queued=0, running=False,
-                         calls_done=0, state=self.status_of(j))  # fmt: skip
+        return m.JobInfo(job_id="", name="", owner="", worker_id=self._scheduler.view(j.job_id).home, queued=0, running=False,
+                         calls_done=0, state=status(j, self._scheduler.view(j.job_id)))  # fmt: skip

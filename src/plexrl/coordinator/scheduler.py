@@ -246,7 +246,7 @@ class _ScheduledJob:
 
 @dataclass(frozen=True, slots=True)
 class JobView:
-    """What the server reads of a job (the scheduler's own record of it is private)."""
+    """What the coordinator's book and reports read of a job (the scheduler's own record is private)."""
 
     home: str  # its home worker ("": it waits for one)
     sampler: str  # a disaggregated job's sampler worker ("": its generates run at home, or pooled)
@@ -367,11 +367,9 @@ class Scheduler:
     def job(self, job_id: str) -> _ScheduledJob:
         return self._jobs[job_id]
 
-    def view(self, job_id: str) -> JobView | None:
-        """The job as the scheduler holds it (None: no such job)."""
-        job = self._jobs.get(job_id)
-        if job is None:
-            return None
+    def view(self, job_id: str) -> JobView:
+        """The job as the scheduler holds it (KeyError: no such job)."""
+        job = self._jobs[job_id]
         sampler = job.sampler if job.sampler != job.home else ""
         return JobView(job.home, sampler, job.pooled, job.recoverable, job.closing, job.lost)
 
