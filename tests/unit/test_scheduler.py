@@ -40,6 +40,9 @@ from plexrl.coordinator.events import (
 from plexrl.coordinator.policies import POLICIES
 from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.scheduler import Scheduler
+from plexrl.coordinator.scheduler.calls import Calls
+from plexrl.coordinator.scheduler.pool import Pool
+from plexrl.coordinator.scheduler.state import Tables
 from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
 from plexrl.names import ROLES
 
@@ -1264,25 +1267,25 @@ def _routing(actions: list) -> list:
     return [a for a in actions if not isinstance(a, Replicate)]
 
 
-def _moves_undrained(self: Scheduler) -> list:
+def _moves_undrained(self: Pool) -> list:
     """Planted: every moving worker switches at once, whatever still runs there."""
-    switching = [w for w in self.workers() if w.moving_to and not w.move_sent]
+    switching = [w for w in self.t.workers() if w.moving_to and not w.move_sent]
     for w in switching:
         w.move_sent = True
     return [MoveWorker(w.worker_id, w.moving_to) for w in switching if w.moving_to]
 
 
 def _plant_no_buckets(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(Scheduler, "_takes_turn", lambda self, worker, buckets, job, call: True)
+    mp.setattr(Pool, "_takes_turn", lambda self, worker, buckets, job, call: True)
 
 
 def _plant_spill_up(mp: pytest.MonkeyPatch) -> None:
-    takes = Scheduler._takes_turn
+    takes = Pool._takes_turn
 
-    def spill_anywhere(self: Scheduler, worker: Any, buckets: dict[int, bool], job: Any, call: Any) -> bool:
+    def spill_anywhere(self: Pool, worker: Any, buckets: dict[int, bool], job: Any, call: Any) -> bool:
         return takes(self, worker, buckets, job, call) or not buckets[bucket_for(call.level, list(buckets))]
 
-    mp.setattr(Scheduler, "_takes_turn", spill_anywhere)
+    mp.setattr(Pool, "_takes_turn", spill_anywhere)
 
 
 def _plant_levels_go_back(mp: pytest.MonkeyPatch) -> None:
@@ -1298,21 +1301,19 @@ PLANTED = {
     "turns ignore buckets": _plant_no_buckets,
     "a full bucket's turns go to a higher one": _plant_spill_up,
     "levels go back up": _plant_levels_go_back,
-    "turns stay on the home": lambda mp: mp.setattr(Scheduler, "_pooled_away", lambda self, job: False),
-    "homes on rollout workers": lambda mp: mp.setattr(Scheduler, "_homes", lambda self: list(self._workers.values())),
+    "turns stay on the home": lambda mp: mp.setattr(Tables, "pooled_away", lambda self, job: False),
+    "homes on rollout workers": lambda mp: mp.setattr(Tables, "homes", lambda self: list(self.registered.values())),
     "training shares its worker with the turns left there": lambda mp: mp.setattr(
-        Scheduler, "_turns_left_on", lambda self, worker: False
+        Pool, "turns_left_on", lambda self, worker: False
     ),
     "a worker moving to training takes turns": lambda mp: mp.setattr(
-        Scheduler, "_takes_turns", staticmethod(lambda worker: worker.role == "rollout")
+        Tables, "takes_turns", staticmethod(lambda worker: worker.role == "rollout")
     ),
-    "a worker switches to training with its turns running": lambda mp: mp.setattr(
-        Scheduler, "_moves_due", _moves_undrained
-    ),
+    "a worker switches to training with its turns running": lambda mp: mp.setattr(Pool, "moves_due", _moves_undrained),
     "a barrier's end wakes no rollout worker": lambda mp: mp.setattr(
-        Scheduler,
-        "_other_workers",
-        lambda self, call: [self._jobs[call.job_id].home] if call.job_id in self._jobs else [],
+        Calls,
+        "other_workers",
+        lambda self, call: [self.t.jobs[call.job_id].home] if call.job_id in self.t.jobs else [],
     ),
 }
 
