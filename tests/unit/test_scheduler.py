@@ -43,7 +43,7 @@ from plexrl.coordinator.scheduler import Scheduler
 from plexrl.coordinator.scheduler.calls import Calls
 from plexrl.coordinator.scheduler.pool import Pool
 from plexrl.coordinator.scheduler.state import Tables
-from plexrl.errors import JobClosedError, NoWorkersError, WorkerLostError
+from plexrl.errors import JobClosedError, JobTooLargeError, NoWorkersError, WorkerLostError
 from plexrl.names import ROLES
 
 
@@ -670,7 +670,7 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
     samplers: dict[str, str] = {}  # job -> the worker its generates run on
     seq: dict[int, int] = {}  # call -> its place in its job's order (a restore goes first)
     recoverable: set[str] = set()
-    replicas: set[tuple[str, str]] = set()  # (rollout worker, pooled job) holding a replica
+    replicas: dict[tuple[str, str], int] = {}  # (rollout worker, pooled job) holding a replica -> its bytes
     follow_owed: dict[str, int] = {}  # disaggregated job -> its barrier whose follow-on is not seen yet
     follow_ons: set[int] = set()  # the scheduler's own calls that carry on a barrier on a sampler worker
     owed: collections.Counter[str] = collections.Counter()  # job -> restores the scheduler queued, not yet seen
@@ -849,10 +849,12 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
                 turn = actions[i + 1] if i + 1 < len(actions) else None
                 assert isinstance(turn, Dispatch) and turn.worker_id == a.worker_id, "a replica goes ahead of a turn"
                 assert kinds[turn.call_id] == "generate" and turn.call_id in submitted[a.job_id]
-                replicas.add((a.worker_id, a.job_id))
+                if a.open:  # what it holds counts against the worker's budget until it is released
+                    replicas[a.worker_id, a.job_id] = a.weight_bytes
+                    device[a.worker_id] = device.get(a.worker_id, 0) + a.weight_bytes
             elif isinstance(a, Release):
                 assert a.worker_id in workers
-                replicas.discard((a.worker_id, a.job_id))
+                device[a.worker_id] -= replicas.pop((a.worker_id, a.job_id), 0)
             elif isinstance(a, MoveWorker):
                 assert a.worker_id in workers and a.worker_id not in switching, "one move at a time, of a live worker"
                 assert a.role != roles[a.worker_id][0] and moves.get(a.worker_id) == a.role
@@ -978,7 +980,8 @@ def check_invariants(policy: str, ops: list[tuple[str, int]], rebalance: bool = 
         elif kind == "lose" and workers:
             w = sorted(workers)[arg % len(workers)]
             del workers[w], roles[w]
-            replicas.difference_update({(rw, j) for rw, j in replicas if rw == w})
+            for held in [held for held in replicas if held[0] == w]:
+                del replicas[held]
             moving.pop(w, None)
             switching.pop(w, None)
             for c in [c for c, (j, rw) in running.items() if rw == w and j in pooled and homes[j] != w]:
@@ -1120,6 +1123,43 @@ def test_a_rollout_worker_gets_a_replica_and_each_new_version_of_the_weights_jus
     s.handle(CallFinished(6), 5.0)
     # The job closes: its replicas go.
     assert s.handle(JobClosed("a"), 6.0) == [Release("r0", "a"), Release("r1", "a")]
+
+
+def test_a_rollout_workers_replicas_count_against_its_budget_and_the_least_recently_used_idle_one_gives_way() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0", slots=4), 0.0)
+    s.handle(WorkerJoined("r0", slots=3, role="rollout", memory_bytes=5 * G), 0.0)  # room for two replicas of 2 GB
+    for i, job in enumerate("abc"):
+        s.handle(JobOpened(job, state_bytes=16 * G, pooled=True), 0.0)
+        s.handle(CallSubmitted(10 * i + 1, job, "open"), 0.0)
+        s.handle(CallFinished(10 * i + 1), 0.0)
+    assert _routing(s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0)) == [Dispatch(2, "r0")]
+    assert _routing(s.handle(CallSubmitted(12, "b", "generate", trajectory="t"), 2.0)) == [Dispatch(12, "r0")]
+    assert s.used_bytes("r0") == 4 * G
+    s.handle(CallFinished(2), 3.0)
+    s.handle(CallFinished(12), 4.0)
+    # c's replica needs room: a's, used least recently and idle, is released for it (b's stays).
+    third = s.handle(CallSubmitted(22, "c", "generate", trajectory="t"), 5.0)
+    assert third == [Release("r0", "a"), Replicate("r0", "c", True, False, 2 * G), Dispatch(22, "r0")]
+    # With b's and c's turns running there, neither replica can go: a's next turn waits for room.
+    s.handle(CallSubmitted(13, "b", "generate", trajectory="t"), 6.0)
+    assert _routing(s.handle(CallSubmitted(3, "a", "generate", trajectory="t"), 6.0)) == []
+    assert s.used_bytes("r0") == 4 * G
+    after = s.handle(CallFinished(22), 7.0)  # c is idle now: its replica gives way to a's
+    assert after == [Release("r0", "c"), Replicate("r0", "a", True, False, 2 * G), Dispatch(3, "r0")]
+
+
+def test_a_turn_whose_replica_fits_no_rollout_worker_fails_with_what_to_change() -> None:
+    s = Scheduler("fifo")
+    s.handle(WorkerJoined("w0"), 0.0)
+    s.handle(WorkerJoined("r0", role="rollout", memory_bytes=1 * G), 0.0)
+    s.handle(JobOpened("a", state_bytes=16 * G, pooled=True), 0.0)  # a 2 GB replica
+    s.handle(CallSubmitted(1, "a", "open"), 0.0)
+    s.handle(CallFinished(1), 0.0)
+    (failed,) = s.handle(CallSubmitted(2, "a", "generate", trajectory="t"), 1.0)
+    assert isinstance(failed, Fail) and failed.call_id == 2 and isinstance(failed.error, JobTooLargeError)
+    assert "fits no rollout worker" in str(failed.error) and "pooled=True" in str(failed.error)
+    assert s.queued("a") == 0
 
 
 def test_a_lost_jobs_surviving_worker_is_released_when_the_job_is_forgotten() -> None:

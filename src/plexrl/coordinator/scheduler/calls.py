@@ -80,10 +80,7 @@ class Calls:
         call = self.t.calls.get(call_id)
         job = self.t.jobs.get(call.job_id) if call is not None else None
         if job is not None and call is not None and call_id in job.queues[call.lane]:
-            job.queues[call.lane].remove(call_id)
-            job.unfinished.discard(call_id)
-            job.barriers.discard(call_id)
-            del self.t.calls[call_id]
+            self.t.drop(job, call)
         return job
 
     def lane_workers(self, call: ScheduledCall) -> list[str]:

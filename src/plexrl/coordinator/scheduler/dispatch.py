@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from plexrl.coordinator import residency as rs
-from plexrl.coordinator.events import Action, Dispatch
+from plexrl.coordinator.events import Action, Dispatch, Fail
 from plexrl.coordinator.scheduler.engines import EngineGate, Engines, Entries
 from plexrl.coordinator.scheduler.gangs import Gangs
 from plexrl.coordinator.scheduler.pool import Pool
@@ -57,6 +57,10 @@ class Dispatcher:
         if job.rebuilding and first.kind != "restore":
             return []  # its state exists nowhere until the restore (submitted next) makes it
         needs_state = self.t.needs_state(job, first.lane, worker)
+        actions: list[Action] = []
+        if needs_state and job.state.tier == rs.HOST and self.t.replicas.get(worker.worker_id):
+            # Replicas of pooled jobs left here (a worker lent to rollout) give way to a home's state.
+            actions += self.pool.make_room(worker, lambda: self.swaps.room(worker, job.state.state_bytes))
         room = self.swaps.room(worker, job.state.state_bytes)
         if needs_state and first.kind in MAKES_STATE and job.state.tier == rs.HOST and room:
             # Its state does not exist yet: the open makes it on the device, so it needs room
@@ -64,12 +68,17 @@ class Dispatcher:
             job.state.tier = rs.DEVICE
             worker.used_bytes += job.state.state_bytes
         if self.t.waits_for_move(job, first, worker):
-            return self.swaps.bring_in(worker, job, room, now)
-        actions: list[Action] = []
+            return actions + self.swaps.bring_in(worker, job, room, now)
         for call in startable:
             if not self._may_start(worker, job, call, gate):
                 break
-            actions += self.pool.replicate(worker, job, call)
+            replicas, room = self.pool.replicate(worker, job, call, now)
+            actions += replicas
+            if not room:  # the turn waits for a replica's room here, or goes elsewhere
+                if (too_large := self.pool.fits_nowhere(job)) is not None:
+                    self.t.drop(job, call)
+                    actions.append(Fail(job.job_id, call.call_id, too_large))
+                break
             actions.append(self._start(worker, job, call, needs_state, now))
         return actions
 

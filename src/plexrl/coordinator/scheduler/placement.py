@@ -7,7 +7,7 @@ from plexrl.coordinator.events import Action, Fail, Place
 from plexrl.coordinator.residency import Residency
 from plexrl.coordinator.scheduler.state import ScheduledJob, ScheduledWorker, Tables
 from plexrl.errors import JobTooLargeError, NoWorkersError
-from plexrl.plan import JobShape, footprint, free_bytes, gib, refusal
+from plexrl.plan import JobShape, footprint, gib, refusal
 
 
 class Placement:
@@ -79,17 +79,14 @@ class Placement:
         """Make ``worker`` the job's home: what it fixes there is counted, its state sized by the plan."""
         worker.jobs.add(job.job_id)
         job.home = worker.worker_id
-        worker.fixed.update(self._adds(worker, job))
+        worker.fixed.update(self.t.fixes(worker, job))
         if worker.plan is not None and job.shape is not None:
             job.state.state_bytes = footprint(worker.plan, job.shape).state
 
     def unhome(self, worker: ScheduledWorker, job: ScheduledJob) -> None:
         """The job leaves ``worker``: what it fixed there is released (its base with its last job)."""
         worker.jobs.discard(job.job_id)
-        worker.fixed.pop(f"engine:job:{job.job_id}", None)
-        if not any(self.t.jobs[j].base == job.base for j in worker.jobs if j in self.t.jobs):
-            for kind in ("weights", "activations", "engine"):
-                worker.fixed.pop(f"{kind}:{job.base}", None)
+        self.t.unfix(worker, job)
 
     def resize(self, job_id: str, state_bytes: int) -> str | None:
         """The job's state measured at ``state_bytes``: its home (and members) count that from now on."""
@@ -108,24 +105,9 @@ class Placement:
             return job.state.state_bytes
         return footprint(worker.plan, job.shape).state
 
-    def _adds(self, worker: ScheduledWorker, job: ScheduledJob) -> dict[str, int]:
-        """What homing ``job`` on ``worker`` fixes on its device beyond its movable state (the plan's)."""
-        if worker.plan is None or job.shape is None:
-            return {}
-        fp = footprint(worker.plan, job.shape)
-        adds = {f"engine:job:{job.job_id}": fp.pinned} if fp.pinned else {}
-        if f"weights:{job.base}" not in worker.fixed:
-            adds[f"weights:{job.base}"] = fp.parts["base weights"]
-            adds[f"activations:{job.base}"] = fp.parts["activations"]
-            if fp.parts["shared engine"]:
-                adds[f"engine:{job.base}"] = fp.parts["shared engine"]
-        return adds
-
     def _room_alone(self, worker: ScheduledWorker, job: ScheduledJob) -> float:
         """The room ``job``'s movable state would have on ``worker`` with every other job's swapped out."""
-        if worker.plan is None:
-            return worker.memory_bytes
-        return min(worker.memory_bytes, free_bytes(worker.plan) - worker.held(worker.fixed | self._adds(worker, job)))
+        return self.t.room(worker, self.t.fixes(worker, job))
 
     def _too_large(self, job: ScheduledJob, homes: list[ScheduledWorker]) -> NoWorkersError:
         """Why no worker can hold ``job``, with the plan's numbers."""

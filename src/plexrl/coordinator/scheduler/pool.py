@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from plexrl.coordinator.buckets import bucket_for
 from plexrl.coordinator.events import Action, MoveWorker, Release, Replicate
-from plexrl.coordinator.scheduler.state import SAMPLER, ScheduledCall, ScheduledJob, ScheduledWorker, Tables
+from plexrl.coordinator.scheduler.state import SAMPLER, Replica, ScheduledCall, ScheduledJob, ScheduledWorker, Tables
+from plexrl.errors import JobTooLargeError
 from plexrl.names import Role
-from plexrl.plan import served_bytes
+from plexrl.plan import gib, served_bytes
 
 STICKY_SLACK = 4  # a trajectory's turn goes back to its last worker unless that runs this many more turns than another
 
@@ -84,19 +87,64 @@ class Pool:
 
     # -- replicas
 
-    def replicate(self, worker: ScheduledWorker, job: ScheduledJob, call: ScheduledCall) -> list[Action]:
+    def replicate(
+        self, worker: ScheduledWorker, job: ScheduledJob, call: ScheduledCall, now: float
+    ) -> tuple[list[Action], bool]:
         """What ``worker`` needs before it runs a pooled job's turn: a replica of the job's sampler,
-        and its current weights (``Replicate``), unless it has them."""
+        and its current weights (``Replicate``), unless it has them; room for a new replica is made
+        by releasing the least recently used idle ones. False: no room for it now (the turn waits,
+        or goes to another worker)."""
         if not job.pooled or call.lane != SAMPLER or worker.worker_id == job.home:
-            return []
+            return [], True
         held = self.t.replicas.setdefault(worker.worker_id, {})
-        new = job.job_id not in held
-        stale = held.get(job.job_id, 0) != job.weights_epoch
-        if not new and not stale:
-            return []
-        held[job.job_id] = job.weights_epoch
-        weight_bytes = self._weight_bytes(worker, job)
-        return [Replicate(worker.worker_id, job.job_id, open=new, weights=stale, weight_bytes=weight_bytes)]
+        replica = held.get(job.job_id)
+        actions: list[Action] = []
+        if replica is None:
+            size = self._weight_bytes(worker, job)
+            actions += self.make_room(
+                worker, lambda: worker.used_bytes + size <= self.t.room(worker, self.t.fixes(worker, job))
+            )
+            adds = self.t.fixes(worker, job)
+            if worker.used_bytes + size > self.t.room(worker, adds):
+                return actions, False
+            worker.fixed.update(adds)
+            worker.used_bytes += size
+            replica = held[job.job_id] = Replica(0, size, now)
+            new = True
+        else:
+            new = False
+        stale = replica.epoch != job.weights_epoch
+        replica.last_s = now
+        if new or stale:
+            replica.epoch = job.weights_epoch
+            actions.append(Replicate(worker.worker_id, job.job_id, new, stale, replica.held_bytes))
+        return actions, True
+
+    def make_room(self, worker: ScheduledWorker, fits: Callable[[], bool]) -> list[Action]:
+        """Release ``worker``'s idle replicas (no turn of theirs running there), the least recently
+        used first, until what needs the room ``fits()`` (a new replica, or a job's state at home)."""
+        calls = self.t.calls
+        busy = {calls[c].job_id for c in worker.running if c in calls}
+        held = self.t.replicas.get(worker.worker_id, {})
+        idle = sorted((r.last_s, j) for j, r in held.items() if j not in busy)
+        actions: list[Action] = []
+        for _, job_id in idle:
+            if fits():
+                break
+            actions += self.release(worker.worker_id, job_id)
+        return actions
+
+    def fits_nowhere(self, job: ScheduledJob) -> JobTooLargeError | None:
+        """Why no rollout worker could hold ``job``'s replica even with nothing else on it (None: one could)."""
+        sizes = {w.worker_id: self._weight_bytes(w, job) for w in self.t.rollout()}
+        for worker in self.t.rollout():
+            empty = ScheduledWorker(worker.worker_id, worker.slots, worker.memory_bytes, plan=worker.plan)
+            if sizes[worker.worker_id] <= self.t.room(empty, self.t.fixes(empty, job)):
+                return None
+        return JobTooLargeError(
+            f"job {job.job_id}'s sampler replica ({gib(max(sizes.values(), default=0))} with its base) fits no "
+            "rollout worker even alone: open the job without pooled=True, or start rollout workers with more memory"
+        )
 
     @staticmethod
     def _weight_bytes(worker: ScheduledWorker, job: ScheduledJob) -> int:
@@ -107,18 +155,33 @@ class Pool:
         return served_bytes(job.state.state_bytes)
 
     def release(self, worker_id: str, job_id: str) -> list[Release]:
-        """Drop the job's replica on the worker, if it holds one: ``Release`` it there."""
-        if self.t.replicas.get(worker_id, {}).pop(job_id, None) is None:
+        """Drop the job's replica on the worker, if it holds one: its bytes are free there, and
+        ``Release`` frees them on the worker."""
+        replica = self.t.replicas.get(worker_id, {}).pop(job_id, None)
+        if replica is None:
             return []
+        worker, job = self.t.registered.get(worker_id), self.t.jobs.get(job_id)
+        if worker is not None:
+            worker.used_bytes -= replica.held_bytes
+            if job is not None:
+                self.t.unfix(worker, job)
         return [Release(worker_id, job_id)]
 
     def releases(self, job: ScheduledJob) -> list[Release]:
-        """What workers hold of a job being forgotten: its replicas on rollout workers, and if it was
-        lost after it opened, what its surviving workers hold (a closed job's close freed that)."""
-        held = sorted(w for w, replicas in self.t.replicas.items() if replicas.pop(job.job_id, None) is not None)
+        """What workers hold of a job being forgotten (``job`` is out of the tables already): its
+        replicas on rollout workers, and if it was lost after it opened, what its surviving workers
+        hold (a closed job's close freed that)."""
+        released: list[Release] = []
+        for worker_id in sorted(w for w, replicas in self.t.replicas.items() if job.job_id in replicas):
+            replica = self.t.replicas[worker_id].pop(job.job_id)
+            worker = self.t.registered.get(worker_id)
+            if worker is not None:
+                worker.used_bytes -= replica.held_bytes
+                self.t.unfix(worker, job)
+            released.append(Release(worker_id, job.job_id))
         if job.lost is not None and job.opened:
-            held += sorted({job.home, job.sampler} & self.t.registered.keys())
-        return [Release(w, job.job_id) for w in held]
+            released += [Release(w, job.job_id) for w in sorted({job.home, job.sampler} & self.t.registered.keys())]
+        return released
 
     # -- role moves
 

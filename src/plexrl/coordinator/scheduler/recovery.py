@@ -123,10 +123,10 @@ class Recovery:
         if isinstance(chosen, NoWorkersError):
             return []
         del self.t.homeless[job.job_id]
+        # A pooled job's replica there (a worker lent to rollout, and back) goes: its home now.
+        released = self.pool.release(chosen.worker_id, job.job_id)
         self.placement.home(chosen, job)
         job.sampler = chosen.worker_id
-        # A pooled job's replica there (a worker lent to rollout, and back): its home now.
-        released = self.pool.release(chosen.worker_id, job.job_id)
         return [*released, Recover(job.job_id, chosen.worker_id, restore=self._restores(job, now))]
 
     def give_up(self, now: float) -> list[Action]:

@@ -16,7 +16,7 @@ from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import DEVICE, HOST, Residency
 from plexrl.errors import PlexError
 from plexrl.names import CallKind, EngineState, Lane, Role, Tier
-from plexrl.plan import JobShape, WorkerPlan, free_bytes, held_bytes, must_sleep
+from plexrl.plan import JobShape, WorkerPlan, footprint, free_bytes, held_bytes, must_sleep
 
 AWAKE: EngineState = "awake"  # a worker's vLLM engines
 ASLEEP: EngineState = "asleep"
@@ -184,6 +184,16 @@ class ScheduledCall:
 
 
 @dataclass(slots=True)
+class Replica:
+    """A pooled job's sampler on a rollout worker: the version of its weights it serves and what
+    it holds there (counted in the worker's ``used_bytes``; its base's parts in ``fixed``)."""
+
+    epoch: int
+    held_bytes: int
+    last_s: float  # when its last turn there started: the least recently used goes first
+
+
+@dataclass(slots=True)
 class GroupSwap:
     """A group job's state moving on every member: done when the last member reports."""
 
@@ -225,7 +235,7 @@ class Tables:
     rollout_ids: set[str] = field(default_factory=set)  # workers taking pooled turns now (``rollout``)
     moving_workers: set[str] = field(default_factory=set)  # workers moving between roles (``Pool.moves_due``)
     started: dict[int, float] = field(default_factory=dict)  # running turn of a pooled job -> when it started
-    replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # rollout worker -> job -> weights epoch
+    replicas: dict[str, dict[str, Replica]] = field(default_factory=dict)  # rollout worker -> job -> its replica
     own: dict[int, OwnCall] = field(default_factory=dict)  # unfinished calls of its own (``Recovery.queue_own``)
     own_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(-1, -1))
     gangs: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # group call -> (job, members)
@@ -322,6 +332,46 @@ class Tables:
             return [head] if min(calls[c].seq for c in job.unfinished) == head.seq else []
         ready = [calls[c] for c in queue if first_barrier is None or calls[c].seq < first_barrier]
         return sorted(ready, key=lambda c: (c.level, c.priority, c.seq))
+
+    # -- what a job fixes on a worker's device (its home, or a rollout worker holding its replica)
+
+    def fixes(self, worker: ScheduledWorker, job: ScheduledJob) -> dict[str, int]:
+        """What ``job`` on ``worker`` fixes on its device beyond its own bytes, by the plan: a full
+        fine-tune job's own engine, and its base's weights, activation headroom and shared engine
+        unless another job of that base has put them there."""
+        if worker.plan is None or job.shape is None:
+            return {}
+        fp = footprint(worker.plan, job.shape)
+        adds = {f"engine:job:{job.job_id}": fp.pinned} if fp.pinned else {}
+        if f"weights:{job.base}" not in worker.fixed:
+            adds[f"weights:{job.base}"] = fp.parts["base weights"]
+            adds[f"activations:{job.base}"] = fp.parts["activations"]
+            if fp.parts["shared engine"]:
+                adds[f"engine:{job.base}"] = fp.parts["shared engine"]
+        return adds
+
+    def unfix(self, worker: ScheduledWorker, job: ScheduledJob) -> None:
+        """``job`` left ``worker`` (its home or its replica there): what it fixed there goes, its
+        base's parts with the last job of that base the worker homes or holds a replica of."""
+        worker.fixed.pop(f"engine:job:{job.job_id}", None)
+        others = worker.jobs | self.replicas.get(worker.worker_id, {}).keys()
+        if not any(self.jobs[j].base == job.base for j in others if j in self.jobs and j != job.job_id):
+            for kind in ("weights", "activations", "engine"):
+                worker.fixed.pop(f"{kind}:{job.base}", None)
+
+    def room(self, worker: ScheduledWorker, adds: dict[str, int]) -> float:
+        """The room jobs' bytes would have on ``worker`` with ``adds`` fixed there too."""
+        if worker.plan is None:
+            return worker.memory_bytes
+        return min(worker.memory_bytes, free_bytes(worker.plan) - worker.held(worker.fixed | adds))
+
+    def drop(self, job: ScheduledJob, call: ScheduledCall) -> None:
+        """Take a queued call out of its job for good (cancelled, or failed before it started)."""
+        job.queues[call.lane].remove(call.call_id)
+        job.unfinished.discard(call.call_id)
+        job.barriers.discard(call.call_id)
+        self.own.pop(call.call_id, None)
+        del self.calls[call.call_id]
 
     # -- slots
 
