@@ -159,8 +159,11 @@ class Worker:
         )
         self._stopping = threading.Event()
         # Background work (vLLM generates, state moves) finishes on other threads: the replies to
-        # send queue here (built on the main thread) and a byte on the pipe wakes its poll.
-        self._finished: queue.SimpleQueue[Callable[[], Frames]] = queue.SimpleQueue()
+        # send queue here (built on the main thread) and a byte on the pipe wakes its poll. Each
+        # carries the session it answers: one for a coordinator that is gone is dropped, never sent
+        # to the next (whose call ids mean other calls).
+        self._finished: queue.SimpleQueue[tuple[int, Callable[[], Frames]]] = queue.SimpleQueue()
+        self._session_no = 0  # the registration now serving: one per coordinator session
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._running: dict[int, Future[calls.Result]] = {}  # background calls by request id
@@ -240,6 +243,8 @@ class Worker:
         if self.config.credentials is not None:
             self.config.credentials.apply(sock)
         sock.connect(self.config.coordinator)
+        self._session_no += 1
+        self._running.clear()  # a lost session's background calls answer nobody now
         try:
             reg = self._register(sock, engine)
             log.info("registered as %s with %s", reg.worker_id, self.config.coordinator)
@@ -329,7 +334,10 @@ class Worker:
             self._running[ex.rid] = background
             if isinstance(ex.call, calls.Open):
                 self._opening[ex.job_id] = []
-            background.add_done_callback(lambda f: self._later(functools.partial(self._finished_call, ex, start, f)))
+            session = self._session_no
+            background.add_done_callback(
+                lambda f: self._later(functools.partial(self._finished_call, ex, start, f), session)
+            )
 
     def _abort_waiting(self, sock: zmq.Socket[bytes], rid: int) -> None:
         """Abort a call still waiting for its job's open: it is answered at once, never run."""
@@ -384,11 +392,13 @@ class Worker:
 
     def _start_move(self, engine: CallEngine, msg: m.MoveState) -> None:
         move = self._moves.submit(engine.move, msg.job_id, msg.to)
-        move.add_done_callback(lambda f: self._later(functools.partial(self._moved, msg, f)))
+        session = self._session_no
+        move.add_done_callback(lambda f: self._later(functools.partial(self._moved, msg, f), session))
 
-    def _later(self, reply: Callable[[], Frames]) -> None:
-        """From any thread: have the main thread build and send ``reply()``."""
-        self._finished.put(reply)
+    def _later(self, reply: Callable[[], Frames], session: int) -> None:
+        """From any thread: have the main thread build and send ``reply()``, if ``session`` (the
+        one the call came in) is still the one serving."""
+        self._finished.put((session, reply))
         os.write(self._wake_w, b"\0")
 
     def _finished_call(self, ex: m.Execute, start: float, fut: Future[calls.Result]) -> Frames:
@@ -414,10 +424,13 @@ class Worker:
                 break
         while True:
             try:
-                reply = self._finished.get_nowait()
+                session, reply = self._finished.get_nowait()
             except queue.Empty:
                 return
-            sock.send_multipart(reply(), copy=False)
+            if session == self._session_no:
+                sock.send_multipart(reply(), copy=False)
+            else:
+                log.info("dropping a reply for a lost coordinator session")
 
     def _reply(self, ex: m.Execute, start: float, outcome: Callable[[], calls.Result]) -> Frames:
         """The encoded reply to one call: its result, or a typed error (the worker lives on)."""
