@@ -157,31 +157,27 @@ class Pool:
     def release(self, worker_id: str, job_id: str) -> list[Release]:
         """Drop the job's replica on the worker, if it holds one: its bytes are free there, and
         ``Release`` frees them on the worker."""
-        replica = self.t.replicas.get(worker_id, {}).pop(job_id, None)
-        if replica is None:
-            return []
-        worker, job = self.t.registered.get(worker_id), self.t.jobs.get(job_id)
-        if worker is not None:
-            worker.used_bytes -= replica.held_bytes
-            if job is not None:
-                self.t.unfix(worker, job)
-        return [Release(worker_id, job_id)]
+        return self._drop(worker_id, job_id, self.t.jobs.get(job_id))
 
     def releases(self, job: ScheduledJob) -> list[Release]:
         """What workers hold of a job being forgotten (``job`` is out of the tables already): its
         replicas on rollout workers, and if it was lost after it opened, what its surviving workers
         hold (a closed job's close freed that)."""
-        released: list[Release] = []
-        for worker_id in sorted(w for w, replicas in self.t.replicas.items() if job.job_id in replicas):
-            replica = self.t.replicas[worker_id].pop(job.job_id)
-            worker = self.t.registered.get(worker_id)
-            if worker is not None:
-                worker.used_bytes -= replica.held_bytes
-                self.t.unfix(worker, job)
-            released.append(Release(worker_id, job.job_id))
+        released = [r for worker_id in sorted(self.t.replicas) for r in self._drop(worker_id, job.job_id, job)]
         if job.lost is not None and job.opened:
             released += [Release(w, job.job_id) for w in sorted({job.home, job.sampler} & self.t.registered.keys())]
         return released
+
+    def _drop(self, worker_id: str, job_id: str, job: ScheduledJob | None) -> list[Release]:
+        replica = self.t.replicas.get(worker_id, {}).pop(job_id, None)
+        if replica is None:
+            return []
+        worker = self.t.registered.get(worker_id)
+        if worker is not None:
+            worker.used_bytes -= replica.held_bytes
+            if job is not None:
+                self.t.unfix(worker, job)
+        return [Release(worker_id, job_id)]
 
     # -- role moves
 
