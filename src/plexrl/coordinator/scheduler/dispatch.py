@@ -78,9 +78,20 @@ class Dispatcher:
                 if (too_large := self.pool.fits_nowhere(job)) is not None:
                     self.t.drop(job, call)
                     actions.append(Fail(job.job_id, call.call_id, too_large))
+                else:
+                    actions += self._room_for_turns(worker, now)
                 break
             actions.append(self._start(worker, job, call, needs_state, now))
         return actions
+
+    def _room_for_turns(self, worker: ScheduledWorker, now: float) -> list[Action]:
+        """A turn waits for a replica's room on a rollout worker that still homes jobs (one lent to
+        rollout): an idle home's state goes to host memory, as it would for a device over its
+        budget, since no turn's end would ever free that room (its next call swaps it back in)."""
+        if worker.role != "rollout" or worker.swapping is not None:
+            return []
+        victim = self.swaps.victim(worker, None, now)
+        return self.swaps.evict(worker, victim) if victim is not None else []
 
     def _entries(self, worker: ScheduledWorker, now: float) -> Entries:
         """Each job's calls that may start on ``worker`` now, the jobs in the policy's order."""
