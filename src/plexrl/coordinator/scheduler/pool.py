@@ -137,10 +137,8 @@ class Pool:
     def fits_nowhere(self, job: ScheduledJob) -> JobTooLargeError | None:
         """Why no rollout worker could hold ``job``'s replica even with nothing else on it (None: one could)."""
         sizes = {w.worker_id: self._weight_bytes(w, job) for w in self.t.rollout()}
-        for worker in self.t.rollout():
-            empty = ScheduledWorker(worker.worker_id, worker.slots, worker.memory_bytes, plan=worker.plan)
-            if sizes[worker.worker_id] <= self.t.room(empty, self.t.fixes(empty, job)):
-                return None
+        if any(sizes[w.worker_id] <= self.t.room_alone(w, job) for w in self.t.rollout()):
+            return None
         return JobTooLargeError(
             f"job {job.job_id}'s sampler replica ({gib(max(sizes.values(), default=0))} with its base) fits no "
             "rollout worker even alone: open the job without pooled=True, or start rollout workers with more memory"

@@ -62,7 +62,7 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         t = self.t = Tables(POLICIES[policy](), Trajectories(mlfq or Mlfq()), rebalancer, recovery_wait_s)
-        self.policy, self.trajectories, self.rebalancer, self.ledger = t.policy, t.trajectories, rebalancer, t.ledger
+        self.trajectories, self.rebalancer, self.ledger = t.trajectories, rebalancer, t.ledger
         self.engines = Engines(t)
         self.swaps = Swaps(t)
         self.gangs = Gangs(t, self.swaps)
@@ -109,9 +109,6 @@ class Scheduler:
 
     def workers(self) -> list[ScheduledWorker]:
         return self.t.workers()
-
-    def job(self, job_id: str) -> ScheduledJob:
-        return self.t.jobs[job_id]
 
     def view(self, job_id: str) -> JobView:
         """The job as the scheduler holds it (KeyError: no such job)."""

@@ -335,15 +335,15 @@ class Tables:
 
     # -- what a job fixes on a worker's device (its home, or a rollout worker holding its replica)
 
-    def fixes(self, worker: ScheduledWorker, job: ScheduledJob) -> dict[str, int]:
+    def fixes(self, worker: ScheduledWorker, job: ScheduledJob, alone: bool = False) -> dict[str, int]:
         """What ``job`` on ``worker`` fixes on its device beyond its own bytes, by the plan: a full
         fine-tune job's own engine, and its base's weights, activation headroom and shared engine
-        unless another job of that base has put them there."""
+        unless another job of that base has put them there (``alone``: as if nothing else had)."""
         if worker.plan is None or job.shape is None:
             return {}
         fp = footprint(worker.plan, job.shape)
         adds = {f"engine:job:{job.job_id}": fp.pinned} if fp.pinned else {}
-        if f"weights:{job.base}" not in worker.fixed:
+        if alone or f"weights:{job.base}" not in worker.fixed:
             adds[f"weights:{job.base}"] = fp.parts["base weights"]
             adds[f"activations:{job.base}"] = fp.parts["activations"]
             if fp.parts["shared engine"]:
@@ -364,6 +364,13 @@ class Tables:
         if worker.plan is None:
             return worker.memory_bytes
         return min(worker.memory_bytes, free_bytes(worker.plan) - worker.held(worker.fixed | adds))
+
+    def room_alone(self, worker: ScheduledWorker, job: ScheduledJob) -> float:
+        """The room ``job``'s bytes would have on ``worker`` were nothing else there (what the job
+        itself fixes, its base's parts included, still counts)."""
+        if worker.plan is None:
+            return worker.memory_bytes
+        return min(worker.memory_bytes, free_bytes(worker.plan) - worker.held(self.fixes(worker, job, alone=True)))
 
     def drop(self, job: ScheduledJob, call: ScheduledCall) -> None:
         """Take a queued call out of its job for good (cancelled, or failed before it started)."""
