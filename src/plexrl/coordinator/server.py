@@ -352,7 +352,7 @@ class Coordinator:
         job = self._book.job(msg.job_id)
         if job is not None and worker_id is not None:
             self._reports.span(job.owner, worker_id, msg.job_id, f"swap_to_{msg.to}", msg.seconds, bool(msg.error))
-        self._apply(ev.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error))
+        self._apply(ev.SwapDone(msg.job_id, msg.seconds, moved_bytes=msg.bytes, ok=not msg.error, worker_id=move[0]))
 
     def _on_engines_moved(self, worker_id: str | None, msg: m.EnginesMoved) -> None:
         move = self._moves.get(msg.rid)
