@@ -7,7 +7,7 @@ and task ``sum``:
 
 - ``plexrl-vllm`` / ``plexrl-hf``: through plexrl, an embedded cluster
   ``plexrl.local(workers=1, cpus_per_worker=1, sampler=...)`` with the vLLM or the transformers
-  sampler. The loop is the README's (and docs/grpo.md's): ``generate`` -> score (task checker, in this script) ->
+  sampler. The loop is the README's (and docs/grpo.md's): ``generate`` -> score (``reward_of``, in this script) ->
   ``grpo_batch`` -> ``forward_backward`` and ``optim_step`` (both submitted before either is
   awaited) -> ``sync_weights``.
 - ``trl``: TRL's ``GRPOTrainer`` in one process (generation with transformers ``generate``,
@@ -25,7 +25,8 @@ Same work in every mode: the same prompts (drawn from ``--seed``; step i sees th
 ``generation_kwargs={"min_new_tokens": max_completion_length}``; each run checks the lengths it
 got), temperature 1, no top-k / top-p, LoRA rank r (alpha 2r, dropout 0, q/k/v/o/gate/up/down),
 AdamW at ``--lr`` with grad clip 1.0, no warmup or schedule, no KL term (plexrl ``kl_coef=0``,
-TRL ``beta=0``), PPO clip 0.2 both sides, one optimizer step per GRPO step. The three modes
+TRL ``beta=0``), PPO clip 0.2 both sides, one optimizer step per GRPO step, the same reward
+(``reward_of``: with it every row has an advantage, so plexrl's trainer skips none; it prints the share). The three modes
 alternate within each repeat (vllm, hf, trl; ``--repeats`` times) so drift on a shared machine
 hits them alike; every repeat is a fresh job / trainer.
 
@@ -74,7 +75,7 @@ import numpy as np
 
 import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
-from plexrl.tasks import Problem, get_task
+from plexrl.tasks import Problem, Task, get_task
 from plexrl.types import DEFAULT_LORA_TARGETS
 
 TASK = "sum"
@@ -92,6 +93,7 @@ class Run:
     parts_s: dict[str, list[float]] = field(default_factory=dict)
     completion_lens: set[int] = field(default_factory=set)
     mean_reward: float = 0.0
+    trained_rows: list[float] = field(default_factory=list)  # plexrl: the share of rows with an advantage
 
     def add(self, part: str, seconds: float) -> None:
         self.parts_s.setdefault(part, []).append(seconds)
@@ -100,6 +102,16 @@ class Run:
 def timed(per_step: list[float]) -> list[float]:
     """The steps that count: all but a run's first (warm-up)."""
     return per_step[1:]
+
+
+def reward_of(task: Task, problem: Problem, completion: str) -> float:
+    """The reward both loops give: the task's score plus the share of the completion's characters
+    that are digits. Cut at exactly ``--max-tokens`` with EOS held back, nearly every completion
+    scores 0 on the task alone; every group's advantages would then be 0, and plexrl's trainer
+    skips such rows (they add nothing to the gradient) where TRL runs them. The digit share gives
+    every group a spread, so both train on every row: the same work."""
+    digits = sum(c.isdigit() for c in completion) / max(1, len(completion))
+    return task.score(problem, completion) + digits
 
 
 def draw_problems(args: argparse.Namespace) -> list[list[Problem]]:
@@ -123,8 +135,9 @@ async def plexrl_run(client: plexrl.Client, name: str, args: argparse.Namespace)
             t0 = time.perf_counter()
             out = await job.generate(prompts, params)
             t1 = time.perf_counter()
-            rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+            rewards = [reward_of(task, problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
             batch = plexrl.grpo_batch(prompts, out, rewards)
+            run.trained_rows.append(float(np.mean(batch.advantages_B != 0)))
             t2 = time.perf_counter()
             fb, step = job.forward_backward(batch, loss="grpo"), job.optim_step()
             await fb
@@ -173,7 +186,7 @@ def trl_run(args: argparse.Namespace) -> Run:
     def reward(prompts: list[str], completion_ids: list[list[int]], answer: list[str], **_: Any) -> list[float]:
         # Decoded as plexrl's loop decodes, so both score the same text.
         scores = [
-            task.score(Problem(prompt=p, answer=a), TOKENIZER.decode(ids))
+            reward_of(task, Problem(prompt=p, answer=a), TOKENIZER.decode(ids))
             for p, a, ids in zip(prompts, answer, completion_ids, strict=True)
         ]
         rewards_all.extend(scores)
@@ -275,6 +288,7 @@ class Summary:
     parts: dict[str, float]  # seconds per step of each part, over all timed steps of all runs
     lens: set[int]
     reward: float
+    trained_rows: list[float]
 
     @property
     def mean(self) -> float:
@@ -289,6 +303,7 @@ def summarize(mode: str, runs: list[Run]) -> Summary:
         parts={k: statistics.mean(x for r in runs for x in timed(r.parts_s[k])) for k in runs[0].parts_s},
         lens=set().union(*(r.completion_lens for r in runs)),
         reward=statistics.mean(r.mean_reward for r in runs),
+        trained_rows=[x for r in runs for x in r.trained_rows],
     )
 
 
@@ -341,6 +356,9 @@ def report(summaries: list[Summary], args: argparse.Namespace, wall_s: float) ->
     print("(plexrl: client-measured per call; trl: generate = its model.generate calls, rest = the rest of its "
           "step: tokenizing, scoring, advantages, forward/backward, optimizer step)")  # fmt: skip
 
+    trained = [x for s in summaries for x in s.trained_rows]
+    print(f"plexrl trained {min(trained):.3f}..{max(trained):.3f} of each step's rows (TRL trains every row; "
+          "rows of advantage 0 are the ones plexrl skips)")  # fmt: skip
     full = all(s.lens == {args.max_tokens} for s in summaries)
     print(f"every completion exactly {args.max_tokens} tokens in every mode: {full}")
     best = min(by_mode["plexrl-vllm"], by_mode["plexrl-hf"], key=lambda s: s.mean)
