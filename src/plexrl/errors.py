@@ -17,6 +17,7 @@ __all__ = [
     "CallTimeoutError",
     "CheckpointPathError",
     "CoordinatorLostError",
+    "GangBrokenError",
     "InvalidSamplingParamsError",
     "JobClosedError",
     "JobSuspendedError",
@@ -180,6 +181,14 @@ class WorkerLostError(PlexError, ConnectionError):
     """The worker executing (or holding the state for) this call stopped answering."""
 
     code = "worker_lost"
+
+
+class GangBrokenError(PlexError, ConnectionError):
+    """A collective between the workers of a multi-worker job failed or timed out (a member died,
+    hung or cannot be reached): the members may have diverged mid-call, so the job's state is
+    rebuilt from its snapshot (or the job is lost, as when its worker dies)."""
+
+    code = "gang_broken"
 
 
 class CoordinatorLostError(PlexError, ConnectionError):

@@ -265,11 +265,24 @@ class Registered(Envelope, tag="registered", frozen=True):
     heartbeat_liveness: int
 
 
+class GangCall(msgspec.Struct, frozen=True):
+    """This member's part in a call of a job that runs on several workers (a gang): the call is
+    sent to every member, and they meet over a process group (``worker/gang.py``)."""
+
+    epoch: int  # the gang's generation: a new one (new members, a rebuild) gets a fresh group
+    rank: int  # this member's; 0 is the leader, whose reply answers the call
+    world: int  # members
+    store: str  # host:port of the leader's rendezvous store
+    token: str  # the job's gang name in that store (random: other gangs cannot collide)
+    timeout_s: float = 120.0  # deadline of the rendezvous and of every collective
+
+
 class Execute(Envelope, tag="execute", frozen=True):
     job_id: str
     call: Call
     priority: int = 0  # lower runs first where the engine queues requests (vLLM)
     exclusive: bool = False  # pause the worker's sampling while this call runs (its requests are kept)
+    gang: GangCall | None = None  # set for a call of a job that runs on several workers
 
 
 class MoveState(Envelope, tag="move_state", frozen=True):
