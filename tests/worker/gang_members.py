@@ -89,3 +89,59 @@ def killed_peer(spec: GangCall) -> str:
         except GangBrokenError as again:
             return f"{e} | {again}"
     return "summed"
+
+
+def grpo_batches(steps: int, rows: int = 6, seed: int = 0) -> list[Any]:
+    """``steps`` GRPO batches of ``rows`` rows of mixed lengths (some with advantage 0), with
+    sampler logprobs: what a gang's members and one worker both train on."""
+    import numpy as np
+
+    from plexrl.types import Batch, Ragged
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        lengths = rng.integers(4, 14, size=rows)
+        tokens = [rng.integers(3, 60, size=int(n)).tolist() for n in lengths]
+        prompt = np.full(rows, 3, np.int32)
+        logprobs = [(-rng.random(int(n) - 3) - 0.5).tolist() for n in lengths]
+        advantages = rng.normal(size=rows).astype(np.float32)
+        advantages[rng.integers(rows)] = 0.0
+        batches.append(
+            Batch(
+                tokens=Ragged.from_rows(tokens, "int32"),
+                prompt_lens_B=prompt,
+                sampler_logprobs=Ragged.from_rows(logprobs, "float32"),
+                advantages_B=advantages,
+            )
+        )
+    return batches
+
+
+def train(model: str, lora: bool, batches: list[Any], gang: GangCall | None, kl_coef: float = 0.0) -> dict[str, Any]:
+    """Open a job and run forward_backward + optim_step on each batch (as one gang member, or
+    alone): the losses, token counts, grad norms, logprobs and final weights it ends with."""
+
+    from plexrl.protocol.calls import ForwardBackward, JobSpec, Logprobs, Open, OptimStep
+    from plexrl.types import AdamW, LoRA, LossConfig
+    from plexrl.worker.engine import Engine
+    from plexrl.worker.trainer.forward import TrainerSettings
+
+    # Small micro-batches, so a call runs several passes and the members' counts differ.
+    engine = Engine(trainer=TrainerSettings(max_tokens_per_microbatch=24))
+    engine._stores = stores()
+    spec = JobSpec(model=model, lora=LoRA(rank=4) if lora else None, optimizer=AdamW(lr=1e-2), seed=3)
+    engine.execute("job", Open(spec=spec), gang)
+    out: dict[str, Any] = {"loss": [], "num_tokens": [], "grad_norm": [], "metrics": []}
+    config = LossConfig(kl_coef=kl_coef)
+    for batch in batches:
+        done = engine.execute("job", ForwardBackward(batch=batch, loss="grpo", loss_config=config), gang)
+        out["loss"].append(done.loss)
+        out["num_tokens"].append(done.num_tokens)
+        out["metrics"].append(done.metrics)
+        out["grad_norm"].append(engine.execute("job", OptimStep(), gang).grad_norm)
+    out["logprobs"] = engine.execute("job", Logprobs(tokens=batches[0].tokens), gang).logprobs.values
+    job = engine._jobs["job"]
+    out["weights"] = {k: t.cpu().numpy() for k, t in job._trained().items()}
+    engine.close()
+    return out

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plexrl.errors import InvalidRequestError, UnknownJobError
+from plexrl.errors import GangBrokenError, InvalidRequestError, PlexError, UnknownJobError
 from plexrl.plan import WorkerPlan
 from plexrl.protocol.calls import (
     Call,
@@ -47,7 +47,9 @@ from plexrl.protocol.calls import (
     SetWeights,
     SyncWeights,
 )
+from plexrl.protocol.messages import GangCall
 from plexrl.worker import memory
+from plexrl.worker.gang import Gang, Stores
 from plexrl.worker.memory import Moved, planned_state_bytes
 from plexrl.worker.models import BaseModel, ModelCache
 from plexrl.worker.progress import Progress
@@ -57,6 +59,7 @@ from plexrl.worker.trainer.forward import TrainerSettings
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Weights, WorkerJob, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
+from plexrl.worker.trainer.sharded import ShardedWeights
 
 log = logging.getLogger("plexrl.worker")
 SHARED = "shared"  # the checkpoint folder of jobs without a tenant (an unauthenticated coordinator)
@@ -70,7 +73,7 @@ class _Prepared:
     base: BaseModel
     vllm: VllmSampler | None
     new_engine: bool  # ``vllm`` was started for this open (closed if the open fails)
-    weights: FullWeights | None
+    weights: FullWeights | ShardedWeights | None
 
 
 class Engine:
@@ -106,6 +109,16 @@ class Engine:
         # The job table and the shared base models: ``execute`` holds it for a call, an open for its last step.
         self._lock = threading.RLock()
         self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-beside")
+        # Jobs on several workers: each one's process group with the others (``worker/gang.py``),
+        # over the leader's rendezvous store (``stores.own`` is this worker's).
+        self._gangs: dict[str, Gang] = {}
+        self._stores: Stores | None = None
+
+    @property
+    def stores(self) -> Stores:
+        if self._stores is None:
+            self._stores = Stores()
+        return self._stores
 
     def plan(self) -> WorkerPlan:
         """This worker's device and the settings the memory plan needs (sent when it registers)."""
@@ -191,6 +204,9 @@ class Engine:
             sampler.close()
         self._vllm.clear()
         self._jobs.clear()
+        for gang in self._gangs.values():
+            gang.close()
+        self._gangs.clear()
 
     def move(self, job_id: str, to: str) -> Moved:
         """Move the job's state to ``to`` (``device`` or ``host``); measured. Safe on another thread
@@ -203,15 +219,44 @@ class Engine:
             return self._mover.to_host(job)
         raise InvalidRequestError(f"cannot move state to {to!r}: choose 'device' or 'host'")
 
-    def execute(self, job_id: str, call: Call) -> Result:
+    def execute(self, job_id: str, call: Call, gang: GangCall | None = None) -> Result:
+        """Run ``call`` of job ``job_id``; ``gang``: this worker's part in a call of a job on
+        several workers (every member runs it; they meet in collectives)."""
         with self._lock:
-            return self._execute(job_id, call)
+            if gang is None:
+                return self._execute(job_id, call, None)
+            member = self._gang(job_id, gang)
+            try:
+                return self._execute(job_id, call, member)
+            except PlexError:  # a deterministic refusal: every member refused alike, the gang is fine
+                raise
+            except Exception as e:  # between collectives: the members may have diverged
+                raise member.breaks(type(call).__name__, e) from e
+            finally:
+                if isinstance(call, Close):
+                    self._gangs.pop(job_id).close()
 
-    def _execute(self, job_id: str, call: Call) -> Result:
+    def _gang(self, job_id: str, spec: GangCall) -> Gang:
+        """The job's process group at ``spec``'s epoch: the one it has, or a new one."""
+        gang = self._gangs.get(job_id)
+        if gang is not None and (gang.spec.token, gang.epoch) == (spec.token, spec.epoch):
+            return gang
+        job = self._jobs.get(job_id)
+        if gang is not None and job is not None and job.weights.sharded:
+            raise GangBrokenError(
+                f"job {job_id!r}'s gang changed (epoch {gang.epoch} to {spec.epoch}) while its weights are "
+                "sharded over the old one: its state is rebuilt from its snapshot"
+            )
+        if gang is not None:
+            gang.close()
+        gang = self._gangs[job_id] = Gang(spec, self.stores.get(spec.store, spec.timeout_s), self.device)
+        return gang
+
+    def _execute(self, job_id: str, call: Call, gang: Gang | None) -> Result:
         if isinstance(call, Open):
-            return self._open(job_id, call)
+            return self._open(job_id, call, gang)
         if isinstance(call, Restore):
-            self._open(job_id, call.open)
+            self._open(job_id, call.open, gang)
             try:
                 self._jobs[job_id].restore(call.snapshot, call.replay)
             except BaseException:
@@ -220,6 +265,7 @@ class Engine:
                 raise
             return self._jobs[job_id].opened()
         job = self._job(job_id)
+        job.gang = gang
         # Closing frees the state wherever it is; vLLM samples with its own copy of the weights, so
         # a generate there runs whether or not the trainer's state is in (the scheduler's rule too).
         if not isinstance(call, Close) and not (isinstance(call, Generate) and job.vllm is not None):
@@ -278,22 +324,22 @@ class Engine:
             raise UnknownJobError(f"job {job_id!r} is not open on this engine; send Open first")
         return job
 
-    def _open(self, job_id: str, call: Open) -> Opened:
+    def _open(self, job_id: str, call: Open, gang: Gang | None = None) -> Opened:
         """Open a job: the slow part first, on whatever thread this runs on, then the rest under the lock."""
         spec = call.spec
         if job_id in self._jobs:
             raise InvalidRequestError(f"job {job_id!r} is already open on this engine; close it or use a new id")
         check_spec(spec)
-        prepared = self._prepare(spec)
+        prepared = self._prepare(spec, gang)
         try:
             with self._lock:
-                return self._enter(job_id, call, prepared)
+                return self._enter(job_id, call, prepared, gang)
         except BaseException:
             if prepared.new_engine and prepared.vllm is not None and prepared.vllm not in self._vllm.values():
                 prepared.vllm.close()
             raise
 
-    def _prepare(self, spec: JobSpec) -> _Prepared:
+    def _prepare(self, spec: JobSpec, gang: Gang | None) -> _Prepared:
         """What an open may do beside other calls: nothing here is used by another job yet."""
         base = self._models.get(spec.model)
         vllm, new_engine = None, False
@@ -305,10 +351,14 @@ class Engine:
         elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
             vllm, new_engine = self._new_sampler(spec.model, lora=False), True
         # The hf sampler needs a copy of the weights to sample with; vLLM has its own.
-        weights = FullWeights(base, sampler_copy=vllm is None) if spec.lora is None else None
+        weights: FullWeights | ShardedWeights | None = None
+        if spec.lora is None and gang is not None:  # a full fine-tune on several workers: FSDP2
+            weights = ShardedWeights(base, gang, sampler_copy=vllm is None)
+        elif spec.lora is None:
+            weights = FullWeights(base, sampler_copy=vllm is None)
         return _Prepared(base, vllm, new_engine, weights)
 
-    def _enter(self, job_id: str, call: Open, prepared: _Prepared) -> Opened:
+    def _enter(self, job_id: str, call: Open, prepared: _Prepared, gang: Gang | None) -> Opened:
         """An open's last step, under the lock: the job's adapter on the shared base, its entry."""
         spec, base, vllm = call.spec, prepared.base, prepared.vllm
         if job_id in self._jobs:
@@ -325,6 +375,7 @@ class Engine:
         )
         key = job_id if vllm is not None and spec.lora is not None else None
         job = WorkerJob(spec, base, weights, vllm=vllm, key=key, progress=self.progress, settings=self.trainer)
+        job.gang = gang
         if vllm is not None and vllm.restore is None:  # what a wake after a level-2 sleep loads
             vllm.restore = (lambda: base.weights) if key is not None else job.served_tensors
         if 0 < planned_state_bytes(job) <= call.snapshot_max_bytes:

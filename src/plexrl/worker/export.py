@@ -40,14 +40,15 @@ def write_peft_adapter(
     peft_config.save_pretrained(str(path))
 
 
-def write(path: Path, fmt: str, base: BaseModel, weights: Weights) -> None:
-    """Export ``weights`` (the trainer's) in ``fmt`` into the existing empty directory ``path``."""
+def write(path: Path, fmt: str, base: BaseModel, weights: Weights, trained: dict[str, Tensor]) -> None:
+    """Export the trainer's weights ``trained`` (``weights``' trainer parameters, whole) in ``fmt``
+    into the existing empty directory ``path``."""
     if fmt == "peft":
         if weights.kind != "lora":
             raise InvalidRequestError("a full fine-tune job has no adapter to export: use format='hf'")
-        write_peft_adapter(path, dict(weights.trainer_params), weights.adapter_config())
+        write_peft_adapter(path, trained, weights.adapter_config())
     elif fmt == "hf":
-        merged(base, weights).save_pretrained(str(path), safe_serialization=True)
+        merged(base, weights, trained).save_pretrained(str(path), safe_serialization=True)
         for f in Path(base.path).iterdir():
             if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith((".safetensors", ".bin", ".md")):
                 shutil.copy2(f, path / f.name)
@@ -56,7 +57,7 @@ def write(path: Path, fmt: str, base: BaseModel, weights: Weights) -> None:
 
 
 @torch.no_grad()
-def merged(base: BaseModel, weights: Weights) -> Any:
+def merged(base: BaseModel, weights: Weights, trained: dict[str, Tensor]) -> Any:
     """A copy of the base model in host memory, in its stored dtype, with the job's trainer weights
     in it: a LoRA job's ``W + scale * B A`` is taken one layer at a time in float32 and rounded
     once, so nothing but the export's own copy is ever made (none on the device)."""
@@ -67,7 +68,6 @@ def merged(base: BaseModel, weights: Weights) -> Any:
     params = model.state_dict()  # tied weights under both names, one storage
     for name, tensor in base.weights.items():
         params[name].copy_(tensor.to("cpu"))
-    trained = {k: p.detach() for k, p in weights.trainer_params.items()}
     if weights.kind == "full":  # its own weights over the base's (a tied output layer with its embedding)
         for name, tensor in trained.items():
             params[name].copy_(tensor.to("cpu"))

@@ -14,6 +14,7 @@ mid-call, so a broken gang is never used again (the coordinator rebuilds the job
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from plexrl.protocol.messages import GangCall
 
 log = logging.getLogger("plexrl.worker")
 T = TypeVar("T")
+_made = itertools.count()  # process groups made here: each one's name is new
 
 
 class Stores:
@@ -72,7 +74,7 @@ class Gang:
         prefixed = dist.PrefixStore(self.name, store)
         _ensure_default_group()
         try:
-            self.group = _process_group(prefixed, spec.rank, spec.world, timeout, device)
+            self.group = _process_group(prefixed, f"{self.name}#{next(_made)}", spec, timeout, device)
         except (RuntimeError, dist.DistError) as e:  # a peer never came: the rendezvous timed out
             raise GangBrokenError(f"gang {self.name}: rank {spec.rank} of {spec.world} could not connect ({e})") from e
         self._mesh: Any = None
@@ -86,9 +88,13 @@ class Gang:
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh(self.device.type, torch.arange(self.world), _init_backend=False, _rank=self.rank)
-            mesh._dim_group_names = [self.group.group_name]
-            mesh._pg_registry[self.group.group_name] = self.group
+            # Named after the group: DTensor caches plans by mesh, and meshes of equal names are equal.
+            name = self.group.group_name
+            mesh = DeviceMesh(
+                self.device.type, torch.arange(self.world), mesh_dim_names=(name,), _init_backend=False, _rank=self.rank
+            )
+            mesh._dim_group_names = [name]
+            mesh._pg_registry[name] = self.group
             self._mesh = mesh
         return self._mesh
 
@@ -101,12 +107,16 @@ class Gang:
         except GangBrokenError:
             raise
         except Exception as e:
-            self.broken = f"{what}: {type(e).__name__}: {e}"
-            log.warning("gang %s broke in %s: %s", self.name, what, e)
-            raise GangBrokenError(
-                f"gang {self.name} broke during {what} ({type(e).__name__}: {e}); the members may have "
-                "diverged, so the job's state is rebuilt from its snapshot (or the job is lost)"
-            ) from e
+            raise self.breaks(what, e) from e
+
+    def breaks(self, what: str, e: BaseException) -> GangBrokenError:
+        """Mark the gang broken by ``e`` (raised during ``what``); the error to raise."""
+        self.broken = f"{what}: {type(e).__name__}: {e}"
+        log.warning("gang %s broke in %s: %s", self.name, what, e)
+        return GangBrokenError(
+            f"gang {self.name} broke during {what} ({type(e).__name__}: {e}); the members may have "
+            "diverged, so the job's state is rebuilt from its snapshot (or the job is lost)"
+        )
 
     def all_reduce_(self, tensors: Sequence[Tensor]) -> None:
         """Sum ``tensors`` over the members, in place (one flat float32 bucket per dtype)."""
@@ -140,14 +150,14 @@ class Gang:
         """Every member's ``data``, in rank order."""
 
         def run() -> list[bytes]:
-            on = {"device": self.device}
-            size = torch.tensor([len(data)], dtype=torch.int64, **on)
-            sizes = [torch.zeros(1, dtype=torch.int64, **on) for _ in range(self.world)]
+            on = self.device
+            size = torch.tensor([len(data)], dtype=torch.int64, device=on)
+            sizes = [torch.zeros(1, dtype=torch.int64, device=on) for _ in range(self.world)]
             self._wait(self.group.allgather([sizes], [size]))
             top = int(max(int(s) for s in sizes))
             mine = torch.zeros(top, dtype=torch.uint8)
             mine[: len(data)] = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-            out = [torch.zeros(top, dtype=torch.uint8, **on) for _ in range(self.world)]
+            out = [torch.zeros(top, dtype=torch.uint8, device=on) for _ in range(self.world)]
             self._wait(self.group.allgather([out], [mine.to(self.device)]))
             return [o[: int(s)].cpu().numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
 
@@ -175,10 +185,11 @@ def _ensure_default_group() -> None:
 
 
 def _process_group(
-    store: dist.Store, rank: int, world: int, timeout: datetime.timedelta, device: torch.device
+    store: dist.Store, name: str, spec: GangCall, timeout: datetime.timedelta, device: torch.device
 ) -> dist.ProcessGroup:
-    """A process group over ``store`` that torch.distributed knows by name (as ``new_group``
-    would make, without the default group's members)."""
+    """A process group over ``store`` that torch.distributed knows by ``name`` (unique in this
+    process), as ``new_group`` would make it, without the default group's members."""
+    rank, world = spec.rank, spec.world
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -191,8 +202,8 @@ def _process_group(
     group = dist.ProcessGroup(store, rank, world)
     group._set_default_backend(kind)
     group._register_backend(device, kind, backend)
-    name = f"plexrl-gang-{id(group)}"
-    group._set_group_name(name)
+    group._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str
     kind_name = "nccl" if device.type == "cuda" else "gloo"
-    c10d._register_pg_in_world(group, kind_name, store, name, kind_name, rank_mapping={dist.get_rank(): rank})
+    rank_mapping = {dist.get_rank(): rank}
+    c10d._register_pg_in_world(group, kind_name, store, name, kind_name, rank_mapping=rank_mapping)  # type: ignore[arg-type]
     return group

@@ -99,6 +99,8 @@ def target_logprobs(
     out as ``select_B_T1`` (zeros elsewhere), ``chunk_elements`` logits at a time (None: every
     position's at once). Rows are padded on the right, so under the causal mask no real token
     sees padding: no attention mask or position ids are needed."""
+    if isinstance(model, ShardedRoot):  # its forward is this function: FSDP2 gathers the root's shards around it
+        return model(tokens_B_T, select_B_T1, temperature, chunk_elements)
     causal = _causal_lm(model)
     if chunk_elements is None:  # the unbounded path: every position's logits at once
         logits_B_T1_V = causal(input_ids=tokens_B_T, use_cache=False).logits[:, :-1]
@@ -120,6 +122,25 @@ def target_logprobs(
     if pieces:
         logp_B_T1 = logp_B_T1.masked_scatter(select_B_T1, torch.cat(pieces))
     return logp_B_T1
+
+
+class ShardedRoot(nn.Module):
+    """The root of a model sharded with FSDP2 (``trainer/sharded.py``): a module whose forward is
+    ``target_logprobs`` of the causal LM inside. FSDP2 gathers a module's own shards (here the
+    embeddings, the final norm and the output layer) only around a call of that module, and
+    ``target_logprobs`` reads the output layer's weight itself, outside any forward."""
+
+    def __init__(self, causal: nn.Module) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def get_base_model(self) -> nn.Module:
+        return self.causal
+
+    def forward(
+        self, tokens_B_T: Tensor, select_B_T1: Tensor, temperature: float, chunk_elements: int | None
+    ) -> Tensor:
+        return target_logprobs(self.causal, tokens_B_T, select_B_T1, temperature, chunk_elements)
 
 
 class HeadLogprobs(torch.autograd.Function):

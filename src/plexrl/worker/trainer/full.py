@@ -18,6 +18,7 @@ from plexrl.worker.models import BaseModel
 
 class FullWeights:
     kind = "full"
+    sharded = False
 
     def __init__(self, base: BaseModel, sampler_copy: bool = True) -> None:
         self.trainer: Any = base.copy().requires_grad_(True)

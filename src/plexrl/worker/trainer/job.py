@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plexrl.errors import (
     BatchShapeError,
@@ -62,8 +63,10 @@ from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
 from plexrl.worker.trainer.forward import TrainerSettings, autocast, microbatches, set_checkpointing, target_logprobs
 from plexrl.worker.trainer.losses import LossOutput, check_loss_config, combined, compute_loss
+from plexrl.worker.trainer.rows import member_rows
 
 if TYPE_CHECKING:
+    from plexrl.worker.gang import Gang
     from plexrl.worker.sampler.vllm import VllmSampler
 
 
@@ -71,6 +74,7 @@ class Weights(Protocol):
     """What a job trains and samples with: ``LoraWeights`` or ``FullWeights``."""
 
     kind: str
+    sharded: bool  # the trainer weights are sharded over a gang (FSDP2: each parameter a DTensor)
     trainer_params: dict[str, nn.Parameter]
     sampler_params: dict[str, nn.Parameter]  # same names and shapes as trainer_params; empty if vLLM samples
     total_params: int
@@ -132,6 +136,11 @@ class WorkerJob:
         self.vllm = vllm
         self.key = key
         self.progress = progress or Progress()  # ticked as a call advances: a hung call stops it
+        # A job on several workers (a gang): this member's process group, set by the engine for
+        # each call. Each member runs its share of a call's rows (``rows.member_rows``); gradients
+        # meet by FSDP2's reduce-scatters (sharded weights) or an all-reduce at ``optim_step``
+        # (replicated LoRA adapters: data parallel).
+        self.gang: Gang | None = None
         self.optimizer = _new_optimizer(weights, spec.optimizer)
         self.step = 0
         self.weight_version = 0
@@ -163,7 +172,7 @@ class WorkerJob:
     def take_snapshots(self) -> None:
         """From now on keep a host copy of what the sampler serves, for ``snapshot`` (call it
         right after opening, while the sampler serves the trainer's initial weights)."""
-        self._published = {k: t.detach().to("cpu", copy=True) for k, t in self.weights.trainer_params.items()}
+        self._published = {k: t.detach().to("cpu", copy=True) for k, t in self._trained().items()}
 
     def generate(self, prompts: Ragged, params: SamplingParams) -> Generated:
         return self.generate_async(prompts, params).result()
@@ -217,12 +226,17 @@ class WorkerJob:
         tokens_B_T, valid_B_T = self._pad_right(tokens)
         logp_B_T1 = torch.zeros((len(tokens), tokens_B_T.shape[1] - 1), dtype=torch.float32, device=tokens_B_T.device)
         model = self.weights.trainer_model(train=False)
-        for r, n in self._microbatches(tokens.lengths(), np.arange(len(tokens)), tokens_B_T.device):
+        for r, n in self._passes(tokens.lengths(), np.arange(len(tokens)), tokens_B_T.device):
             self.progress.tick()
+            if r is None:
+                self._idle_pass(model, grad=False)
+                continue
             with torch.no_grad(), self._autocast():
                 logp_B_T1[r, : n - 1] = target_logprobs(
                     model, tokens_B_T[r, :n], valid_B_T[r, 1:n], 1.0, self.settings.chunk_elements
                 )
+        if self.gang is not None:  # each member filled its rows (zeros elsewhere): the sum is every row
+            self.gang.all_reduce_([logp_B_T1])
         self.progress.tick()
         values = logp_B_T1[valid_B_T[:, 1:]].cpu().numpy().astype(np.float32)
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
@@ -278,16 +292,21 @@ class WorkerJob:
         kl = loss in ("grpo", "decoupled_ppo") and config.kl_coef > 0
         chunk = self.settings.chunk_elements
         outs: list[LossOutput] = []
+        failure: str | None = None  # a gang member's: the members exchange them and all fail alike
         try:
-            for r, n in self._microbatches(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
+            for r, n in self._passes(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
                 self.progress.tick()
+                model = self.weights.trainer_model(train=True)
+                set_checkpointing(model, self.checkpointing and not forward_only)
+                if r is None:
+                    self._idle_pass(model, grad=not forward_only)
+                    continue
                 tokens, select = tokens_B_T[r, :n], select_B_T1[r, : n - 1]
                 ref_logp = None
                 if kl:
                     with self.base.reference() as reference, torch.no_grad(), self._autocast():
                         ref_logp = target_logprobs(reference, tokens, select, config.temperature, chunk)
                 model = self.weights.trainer_model(train=True)
-                set_checkpointing(model, self.checkpointing and not forward_only)
                 with torch.enable_grad() if not forward_only else torch.no_grad(), self._autocast():
                     logp = target_logprobs(model, tokens, select, config.temperature, chunk)
                 if logp_B_T1 is not None:
@@ -307,24 +326,36 @@ class WorkerJob:
                     recomputed_B=None if recomputed_B is None else recomputed_B[r],
                 )
                 if not torch.isfinite(out.loss_sum):
-                    raise CallFailedError(
+                    message = (
                         f"{loss} loss is not finite ({out.loss_mean}); gradients were not accumulated. "
                         "Check the batch's sampler_logprobs and advantages"
                     )
+                    if self.gang is None:
+                        raise CallFailedError(message)
+                    # A gang member runs on (its peers wait on its collectives); all discard after.
+                    failure = failure or message
                 if not forward_only:
                     out.loss_sum.backward()
                 outs.append(out._replace(loss_sum=out.loss_sum.detach()))
         except Exception as e:
-            if not outs or forward_only:
-                raise
-            # Earlier micro-batches' gradients are in: none of a failed call may stay, and they
-            # cannot be told from those accumulated before it.
-            self._discard_gradients()
-            raise CallFailedError(
-                f"forward_backward failed after {len(outs)} of its micro-batches ({type(e).__name__}: {e}); "
-                "the job's accumulated gradients were discarded and nothing was applied: submit this step's "
-                "forward_backward calls again"
-            ) from e
+            if self.gang is not None and self.weights.sharded:  # stopped between its peers' collectives
+                raise self.gang.breaks("forward_backward", e) from e
+            if self.gang is None:
+                if not outs or forward_only:
+                    raise
+                # Earlier micro-batches' gradients are in: none of a failed call may stay, and they
+                # cannot be told from those accumulated before it.
+                self._discard_gradients()
+                raise CallFailedError(
+                    f"forward_backward failed after {len(outs)} of its micro-batches ({type(e).__name__}: {e}); "
+                    "the job's accumulated gradients were discarded and nothing was applied: submit this "
+                    "step's forward_backward calls again"
+                ) from e
+            failure = failure or f"{type(e).__name__}: {e}"
+        if self.gang is not None:
+            outs = self._gathered(outs, failure, discard=not forward_only)
+            if logp_B_T1 is not None:  # each member filled its rows (zeros elsewhere)
+                self.gang.all_reduce_([logp_B_T1])
         out = combined(outs, idle_tokens)
         if not forward_only:
             if not outs:  # every row's loss was zero: a zero gradient, as a backward through them would give
@@ -356,6 +387,61 @@ class WorkerJob:
         """``rows`` (of rows of ``lengths``) in micro-batches: each its row indices and padded length."""
         pieces = microbatches(lengths[rows], self.settings.max_tokens_per_microbatch)
         return [(torch.from_numpy(rows[p]).to(device), int(lengths[rows[p]].max())) for p in pieces]
+
+    def _passes(self, lengths: np.ndarray, rows: np.ndarray, device: torch.device) -> list[tuple[Tensor | None, int]]:
+        """The micro-batches this worker runs of ``rows``: all of them, or in a gang its share.
+        A sharded gang's members each run as many passes as the busiest one (each pass gathers
+        every layer's shards from all of them): the rest are idle passes (``None``)."""
+        gang = self.gang
+        if gang is None:
+            return list(self._microbatches(lengths, rows, device))
+        mine: list[tuple[Tensor | None, int]] = list(
+            self._microbatches(lengths, member_rows(lengths, rows, gang.rank, gang.world), device)
+        )
+        if not self.weights.sharded:
+            return mine
+        most = max(
+            len(
+                microbatches(
+                    lengths[member_rows(lengths, rows, k, gang.world)], self.settings.max_tokens_per_microbatch
+                )
+            )
+            for k in range(gang.world)
+        )
+        return mine + [(None, 2)] * (most - len(mine))
+
+    def _idle_pass(self, model: nn.Module, grad: bool) -> None:
+        """A pass over one 2-token row whose loss is zero: it takes part in a sharded gang's
+        collectives and adds nothing to the gradients."""
+        tokens = torch.full((1, 2), self.base.pad_token_id, dtype=torch.long, device=self.base.device)
+        select = torch.ones((1, 1), dtype=torch.bool, device=self.base.device)
+        with torch.enable_grad() if grad else torch.no_grad(), self._autocast():
+            logp = target_logprobs(model, tokens, select, 1.0, self.settings.chunk_elements)
+        if grad:
+            (logp.sum() * 0.0).backward()
+
+    def _gathered(self, outs: list[LossOutput], failure: str | None, discard: bool) -> list[LossOutput]:
+        """Every gang member's micro-batch outputs, in rank order. If any member failed, every
+        member discards the call's gradients (``discard``) and raises the same error."""
+        assert self.gang is not None
+        mine = msgspec.msgpack.encode((failure, [(float(o.loss_sum), o.num_tokens, o.metrics) for o in outs]))
+        everyone = [msgspec.msgpack.decode(b) for b in self.gang.all_gather_bytes(mine)]
+        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
+        if failed:
+            if discard:
+                self._discard_gradients()
+            rank, said = failed[0]
+            raise CallFailedError(
+                f"forward_backward failed on member {rank} of the job's {self.gang.world} workers ({said}); "
+                "the job's accumulated gradients were discarded and nothing was applied: submit this step's "
+                "forward_backward calls again"
+            )
+        device = self.base.device
+        return [
+            LossOutput(torch.tensor(total, dtype=torch.float32, device=device), n, metrics)
+            for _, theirs in everyone
+            for total, n, metrics in theirs
+        ]
 
     def _autocast(self) -> Any:
         return autocast(self.base.device, self.base.dtype)
@@ -397,13 +483,23 @@ class WorkerJob:
             check_adamw(adam)
         if self.pending_tokens == 0:
             raise CallFailedError("optim_step with no accumulated gradients: call forward_backward first")
+        if self.gang is not None and not self.weights.sharded:  # data parallel: sum the members' gradients
+            for p in self.weights.trainer_params.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.gang.all_reduce_([p.grad for p in self.weights.trainer_params.values()])  # type: ignore[misc]
         params = [p for p in self.weights.trainer_params.values() if p.grad is not None]
         grads = [g for g in (p.grad for p in params) if g is not None]
-        if reduction == "mean":
+        divisor = float(self.pending_tokens if reduction == "mean" else 1)
+        if self.gang is not None and self.weights.sharded:  # FSDP2 reduced the members' sums to their mean
+            divisor /= self.gang.world
+        if divisor != 1.0:
             with torch.no_grad():
                 for g in grads:
-                    g.div_(self.pending_tokens)
+                    g.div_(divisor)
         total_norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(total_norm, DTensor):  # sharded gradients: the norm of the whole
+            total_norm = total_norm.full_tensor()
         grad_norm = float(total_norm)
         if not math.isfinite(grad_norm):
             self._discard_gradients()
@@ -432,7 +528,7 @@ class WorkerJob:
 
     def _export(self) -> dict[str, np.ndarray]:
         """The trainer weights as arrays, for another worker's sampler."""
-        return {k: p.detach().cpu().numpy().copy() for k, p in self.weights.trainer_params.items()}
+        return {k: t.cpu().numpy().copy() for k, t in self._trained().items()}
 
     def served_weights(self) -> tuple[int, dict[str, np.ndarray]]:
         """The weights its sampler serves and their version, as arrays (for another worker)."""
@@ -442,7 +538,7 @@ class WorkerJob:
         """The weights its sampler serves: the trainer's if it has not stepped since they were
         published, else the copy a job with snapshots keeps (a job without one cannot say)."""
         if self._published_step == self.step:
-            return {k: p.detach() for k, p in self.weights.trainer_params.items()}
+            return self._trained()
         if self._published is None:
             raise CallFailedError("this job keeps no copy of its sampler's weights: it takes no snapshots")
         return dict(self._published)
@@ -469,20 +565,25 @@ class WorkerJob:
             if fmt not in EXPORT_FORMATS:
                 raise InvalidRequestError(f"save format {fmt!r}: choose plexrl, {', '.join(EXPORT_FORMATS)}")
 
+            trained = self._trained()
+
             def fill(tmp: Path) -> dict[str, Any]:
-                export.write(tmp, fmt, self.base, self.weights)
+                export.write(tmp, fmt, self.base, self.weights, trained)
                 return {"export": fmt, "weight_version": self.weight_version, "step": self.step}
 
-            checkpoint.write_dir(path, fill)
+            if self._writes():
+                checkpoint.write_dir(path, fill)
             return Saved(path=path, weight_version=self.weight_version, step=self.step)
-        tensors = {k: p.detach().cpu().contiguous() for k, p in self.weights.trainer_params.items()}
+        tensors = {k: t.cpu().contiguous() for k, t in self._trained().items()}
+        optimizer_state = _whole_state(self.optimizer.state_dict())
         manifest = {
             "kind": self.weights.kind,
             "weight_version": self.weight_version,
             "step": self.step,
             "spec": msgspec.to_builtins(self.spec),
         }
-        checkpoint.write(path, tensors, self.optimizer.state_dict(), manifest)
+        if self._writes():
+            checkpoint.write(path, tensors, optimizer_state, manifest)
         return Saved(path=path, weight_version=self.weight_version, step=self.step)
 
     def load(self, path: str, export: bool = False, snapshot: bool = False) -> Loaded:
@@ -505,7 +606,7 @@ class WorkerJob:
     def snapshot(self) -> Snapshot:
         """The job's state for a ``Restore`` elsewhere (the job must be opened with ``snapshots``)."""
         buffer = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buffer)
+        torch.save(_whole_state(self.optimizer.state_dict()), buffer)
         sampler = None
         if self._published_step != self.step:  # stepped since the last sync: the sampler serves older weights
             if self._published is None:
@@ -557,7 +658,7 @@ class WorkerJob:
             )
         optimizer = _new_optimizer(self.weights, self.spec.optimizer)
         try:
-            optimizer.load_state_dict(optimizer_state)
+            optimizer.load_state_dict(_sharded_state(optimizer_state, list(params.values())))
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise CallFailedError(f"{source}: the optimizer state does not fit this job ({e})") from e
         for p in params.values():
@@ -569,7 +670,7 @@ class WorkerJob:
         # Everything is checked: from here on nothing can fail half-way.
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(tensors[k])
+                p.copy_(_shard_like(tensors[k], p))
         self._discard_gradients()
         self.optimizer = optimizer
         self.step = step
@@ -588,8 +689,9 @@ class WorkerJob:
     def _publish(self, tensors: dict[str, nn.Parameter] | dict[str, Tensor], initial: bool = False) -> None:
         """Make the sampler serve ``tensors`` as version ``weight_version`` (the caller sets
         ``_published_step``: the step whose trainer weights they are, -1 for other weights)."""
+        tensors = {k: _whole(t).detach() for k, t in tensors.items()}
         if self._published is not None:
-            self._published = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+            self._published = {k: t.to("cpu", copy=True) for k, t in tensors.items()}
         if self.vllm is not None and self.key is not None:
             self.vllm.set_adapter(self.key, self.weight_version, dict(tensors), self.weights.adapter_config())
             return
@@ -600,6 +702,14 @@ class WorkerJob:
         with torch.no_grad():
             for k, t in tensors.items():
                 self.weights.sampler_params[k].copy_(t)
+
+    def _trained(self) -> dict[str, Tensor]:
+        """The trainer's weights, whole (a sharded job's gathered from its gang: every member calls this)."""
+        return {k: _whole(p).detach() for k, p in self.weights.trainer_params.items()}
+
+    def _writes(self) -> bool:
+        """Whether this worker writes the job's files: in a gang, the leader only."""
+        return self.gang is None or self.gang.leader
 
     def _discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -634,6 +744,41 @@ def _zero_loss_rows(
     if advantages_B is not None:
         return advantages_B == 0
     return none
+
+
+def _whole(t: Tensor) -> Tensor:
+    """``t`` whole: a sharded tensor (a DTensor) gathered from its gang (a collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _shard_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` laid out as ``like``: this member's shard if ``like`` is sharded (no collective)."""
+    if not isinstance(like, DTensor):
+        return whole
+    whole = whole.to(like.device, like.dtype)
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _whole_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` with its sharded moments whole (the single-device layout)."""
+    per_param = {
+        i: {k: _whole(v) if isinstance(v, Tensor) else v for k, v in s.items()} for i, s in state["state"].items()
+    }
+    return {**state, "state": per_param}
+
+
+def _sharded_state(state: dict[str, Any], params: list[nn.Parameter]) -> dict[str, Any]:
+    """A whole optimizer ``state_dict`` with each parameter's moments laid out as the parameter."""
+    if not any(isinstance(p, DTensor) for p in params):
+        return state
+    per_param = {
+        i: {
+            k: _shard_like(v, params[int(i)]) if isinstance(v, Tensor) and v.ndim > 0 and int(i) < len(params) else v
+            for k, v in s.items()
+        }
+        for i, s in state.get("state", {}).items()
+    }
+    return {**state, "state": per_param}
 
 
 def _optimizer_settings(o: AdamW) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from plexrl.worker.models import BaseModel, seeded
 
 class LoraWeights:
     kind = "lora"
+    sharded = False  # a LoRA job on a gang is data parallel: each member holds the whole adapter
 
     def __init__(self, base: BaseModel, lora: LoRA, seed: int, sampler_copy: bool = True) -> None:
         _check_targets(base, lora)
