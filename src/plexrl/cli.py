@@ -60,6 +60,11 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"device {value!r} must be 'cpu' or 'cuda:N'")
 
 
+def _device_index(device: str) -> int:
+    """cuda:N's N; 0 for the CPU."""
+    return int(device.split(":")[1]) if device.startswith("cuda:") else 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -165,6 +170,19 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the address other workers fetch this worker's published weights at (its data plane; default: "
         "this host's address on the route to the coordinator)",
+    )
+    p.add_argument(
+        "--node",
+        default=None,
+        help="its host, for jobs that train on several workers at once (devices=N): a gang's workers share a "
+        "node (default: this host's name on a GPU; none on CPU, where it takes one-device jobs only)",
+    )
+    p.add_argument(
+        "--index",
+        type=int,
+        default=None,
+        help="its device index on its node: a gang of N takes N workers whose indices are i..i+N-1, i a multiple "
+        "of N (default: the GPU's index, else 0)",
     )
     _credentials(p, "worker")
     p.add_argument(
@@ -545,6 +563,8 @@ def _worker(args: argparse.Namespace) -> int:
         bucket=args.bucket,
         credentials=_load_credentials(args),
         data_host=args.data_host,
+        node=args.node if args.node is not None else (os.uname().nodename if device.startswith("cuda") else ""),
+        index=args.index if args.index is not None else _device_index(device),
         **({"checkpoint_root": args.checkpoint_root} if args.checkpoint_root else {}),
     )
     run_worker(config)

@@ -127,6 +127,7 @@ class JobShape(msgspec.Struct, frozen=True):
     lora_rank: int = 0  # 0: a full fine-tune
     lora_targets: tuple[str, ...] = LINEARS
     checkpointing: bool | None = None  # the job's gradient_checkpointing (None: by the model's size)
+    devices: int = 1  # a gang's members: a full fine-tune's trained state is sharded over them (FSDP2)
 
     @property
     def trained_params(self) -> int:
@@ -225,7 +226,9 @@ def served_bytes(state_bytes: float, dtype_bytes: int = 2) -> int:
 def footprint(worker: WorkerPlan, job: JobShape) -> Footprint:
     """What ``job`` holds on ``worker``'s device."""
     model, lora = job.model, job.lora_rank > 0
-    state = job.trained_params * STATE_BYTES_PER_TRAINED_PARAM
+    # On a gang, each member holds its share of a full fine-tune's state (FSDP2), and a LoRA
+    # adapter's whole (data parallel: it is small).
+    state = -(-job.trained_params * STATE_BYTES_PER_TRAINED_PARAM // (1 if lora else job.devices))
     if worker.sampler == "hf":  # it samples with a copy of its weights: an adapter in float32, a model in dtype
         state += job.trained_params * (4 if lora else worker.dtype_bytes)
     shared_engine = engine_bytes(worker, model, lora=True) if lora else 0

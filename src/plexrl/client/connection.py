@@ -285,11 +285,12 @@ class Client:
         return self.request(submit, expect_result(result_type), deadline)
 
     async def open_job(
-        self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: Placement = "colocated"
+        self, name: str, spec: calls.JobSpec, weight: float = 1.0, placement: Placement = "colocated", devices: int = 1
     ) -> tuple[str, calls.Opened]:
         request = m.OpenJob(
-            name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex(), shape=job_shape(spec)
-        )
+            name=name, spec=spec, weight=weight, placement=placement, token=os.urandom(8).hex(),
+            shape=job_shape(spec, devices), devices=devices,
+        )  # fmt: skip
         done: m.CallDone = await self.request(request, expect(m.CallDone), self.deadlines.get("open_job"))
         if not isinstance(done.result, calls.Opened):
             raise PlexError(f"coordinator answered OpenJob with {type(done.result).__name__}")
@@ -540,12 +541,12 @@ def connect(
     )  # fmt: skip
 
 
-def job_shape(spec: calls.JobSpec) -> JobShape | None:
+def job_shape(spec: calls.JobSpec, devices: int = 1) -> JobShape | None:
     """What the job trains, for the coordinator's memory plan; None if the model's config.json is not
     readable here (the model lives only on the workers' hosts: the job is then sized by its open)."""
     model = ModelShape.read(spec.model)
     if model is None:
         return None
     if spec.lora is None:
-        return JobShape(model, checkpointing=spec.gradient_checkpointing)
-    return JobShape(model, spec.lora.rank, spec.lora.target_modules, spec.gradient_checkpointing)
+        return JobShape(model, checkpointing=spec.gradient_checkpointing, devices=devices)
+    return JobShape(model, spec.lora.rank, spec.lora.target_modules, spec.gradient_checkpointing, devices)

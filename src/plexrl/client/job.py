@@ -231,6 +231,7 @@ async def job(
     placement: Placement = "colocated",
     max_staleness: int = 0,
     gradient_checkpointing: bool | None = None,
+    devices: int = 1,
     client: Client | None = None,
     reattach: bool = False,
 ) -> AsyncIterator[Job]:
@@ -248,6 +249,11 @@ async def job(
     ``gradient_checkpointing`` recomputes the decoder layers' activations in the backward instead
     of keeping them (less memory per trained token, about a third more compute); None, the default,
     turns it on for models of 100M parameters or more.
+    ``devices=N`` (2, 4 or 8) trains it on N workers of one node at once, a gang its calls run on
+    together: a full fine-tune sharded over them (FSDP2: each holds 1/N of its weights, gradients
+    and optimizer state, so a model too large for one worker's memory trains), a LoRA job data
+    parallel (each runs 1/N of a call's rows). Its generates run on the first of them; the gang
+    is time-sliced with other jobs as one.
     ``reattach=True`` first takes over this key's job ``name`` whose client went away (a restarted
     script; see ``Client.reattach``), and opens a new one only if there is none.
     """
@@ -270,7 +276,7 @@ async def job(
         with contextlib.suppress(UnknownJobError):
             handle = await client.reattach(name)
     if handle is None:
-        job_id, opened = await client.open_job(name, spec, weight, placement)
+        job_id, opened = await client.open_job(name, spec, weight, placement, devices)
         handle = Job(client, job_id, name, spec, opened)
     token = current_job.set(handle)
     try:

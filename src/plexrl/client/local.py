@@ -254,12 +254,20 @@ class LocalCluster:
             *(["--checkpoint-root", os.fspath(self.checkpoint_root)] if self.checkpoint_root else []),
             *(["--memory-budget", str(self.memory_budget_bytes)] if self.memory_budget_bytes is not None else []),
             "--role", self.roles[i % self.workers], "--bucket", str(self.buckets[i % self.workers]),
+            *self._place(i),
             *extra,
         )  # fmt: skip
         process = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
         self.worker_processes.append(process)
         self._worker_groups.append(process.pid)
         return process
+
+    def _place(self, i: int) -> list[str]:
+        """Worker ``i``'s node (its host) and device index there (its rank among that host's
+        workers), so that jobs on several workers (``devices=N``) find aligned blocks."""
+        host = self.host_of(i)
+        on_host = [j for j in range(self.workers) if self.host_of(j) == host]
+        return ["--node", host.netns if host is not None else "local", "--index", str(on_host.index(i))]
 
     def reap(self, process: asyncio.subprocess.Process) -> None:
         """Free what a dead worker left behind (its engine processes: a SIGKILLed worker cannot stop

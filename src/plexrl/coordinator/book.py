@@ -23,6 +23,7 @@ from plexrl.coordinator.records import CallRecord, JobRecord, Peer, ReattachWait
 from plexrl.coordinator.reports import Reports
 from plexrl.errors import (
     CallAbortedError,
+    GangBrokenError,
     InvalidRequestError,
     JobClosedError,
     JobSuspendedError,
@@ -169,8 +170,9 @@ class Book:
         # Its state's size is known once the worker opened it (JobSized).
         pooled = msg.placement == "pooled"
         opened = ev.JobOpened(
-            job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated, pooled=pooled, shape=msg.shape
-        )
+            job_id, weight=msg.weight, base=msg.spec.model, disaggregated=disaggregated, pooled=pooled, shape=msg.shape,
+            devices=msg.devices,
+        )  # fmt: skip
         for action in self._scheduler.handle(opened, self._now()):
             if isinstance(action, ev.Place):
                 self._jobs[job_id] = JobRecord(
@@ -338,6 +340,17 @@ class Book:
             self._side_call_done(worker_id, msg)
             return
         rec = self._calls.get(msg.rid)
+        if rec is not None and rec.gang is not None and self._scheduler.where(rec.call_id) is not None:
+            if worker_id not in rec.gang.members or worker_id in rec.gang.replies:
+                log.warning("dropping outcome of call %d from worker %s: not a member it waits for", msg.rid, worker_id)
+                return
+            rec.gang.replies[worker_id] = msg
+            answer = rec.gang.answer()
+            if answer is None:
+                return  # the other members' answers are still to come
+            msg, worker_id = answer, rec.gang.members[0]
+            if isinstance(msg, m.ErrorReply) and msg.code == GangBrokenError.code and rec.job_id in self._jobs:
+                self._jobs[rec.job_id].gang_epoch += 1  # its next call meets in a new process group
         if rec is None or self._scheduler.where(rec.call_id) != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
             return
@@ -470,6 +483,19 @@ class Book:
         rec = self._calls[call_id] = records.restore(job, call_id, self._scheduler.view(job.job_id).pooled, self._now())
         return rec
 
+    def _gang_call(self, job_id: str, members: tuple[str, ...], rank: int) -> m.GangCall:
+        """Member ``rank``'s part in a call of gang job ``job_id`` on ``members``: they meet at the
+        leader's rendezvous store, in a process group named by the members and the job's epoch."""
+        job = self._jobs.get(job_id)
+        return m.GangCall(
+            epoch=job.gang_epoch if job is not None else 0,
+            rank=rank,
+            world=len(members),
+            store=self._workers[members[0]].info.rendezvous,
+            token=f"{job_id}@{'+'.join(members)}",
+            timeout_s=self.config.gang_timeout_s,
+        )
+
     def _tenant_folder(self, ident: bytes) -> str:
         """The worker-side checkpoint folder of the tenant behind ``ident``: its key's name (every
         job of an unauthenticated coordinator shares one, ``shared``)."""
@@ -494,7 +520,11 @@ class Book:
                 if view is not None and view.recoverable and isinstance(call, calls.OptimStep | calls.Load):
                     call = msgspec.structs.replace(call, snapshot=True)  # kept here: _commit
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority, exclusive=exclusive)
-                self._send_worker(worker_id, execute)
+                members = self._scheduler.members(call_id)
+                rec.gang = records.GangWait(members) if members else None
+                for rank, member in enumerate(members or (worker_id,)):
+                    gang = self._gang_call(rec.job_id, members, rank) if members else None
+                    self._send_worker(member, msgspec.structs.replace(execute, gang=gang))
             case ev.Fail(job_id, call_id, error):
                 failed = self._calls.get(call_id) if call_id is not None else None
                 if failed is None and call_id is not None and call_id < 0 and job_id in self._held:

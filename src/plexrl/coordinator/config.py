@@ -35,6 +35,9 @@ class CoordinatorConfig:
     # A worker running a call whose engine makes no progress this long is hung: declared lost.
     # Longer than any one step of work (a model load, one forward or backward); 0: never.
     hang_timeout_s: float = 600.0
+    # A job on several workers (a gang): the deadline of its members' rendezvous and of each of
+    # their collectives (worker/gang.py), after which the call fails and the gang is rebuilt.
+    gang_timeout_s: float = 120.0
     # A journal file (SQLite): jobs that survive the loss of their worker also survive a restart of
     # the coordinator (started again with the same journal). None: a restart loses every job.
     journal: str | None = None

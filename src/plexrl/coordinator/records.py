@@ -73,6 +73,7 @@ class JobRecord:
     # its last sync_weights or load exported them (None: its initial ones), pushed to a rollout
     # worker before that worker's first turn of it under them.
     weights: calls.SetWeights | None = None
+    gang_epoch: int = 0  # a gang job's: one more after each call that broke its process group
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,23 @@ class CallRecord:
     seq: int = 0  # its number in its job's order (``Submit.seq``)
     submitted_at: float = 0.0  # when it was submitted (the coordinator's clock), for queue and run times
     dispatched_at: float = 0.0
+    gang: GangWait | None = None  # a gang's call: its members' replies so far
+
+
+@dataclass
+class GangWait:
+    """A call sent to every member of a gang: it is done when all have answered; the leader's
+    answer is the call's, unless a member failed (then the first failure, the leader's first)."""
+
+    members: tuple[str, ...]  # the leader first
+    replies: dict[str, m.CallDone | m.ErrorReply] = field(default_factory=dict)
+
+    def answer(self) -> m.CallDone | m.ErrorReply | None:
+        """The call's answer once every member has given one (None: some have not yet)."""
+        if len(self.replies) < len(self.members):
+            return None
+        failed = [r for w in self.members if isinstance(r := self.replies[w], m.ErrorReply)]
+        return failed[0] if failed else self.replies[self.members[0]]
 
 
 @dataclass

@@ -131,6 +131,7 @@ class Reports:
             swap_bytes=usage.swap_bytes if usage else 0,
             swap_s=usage.swap_s if usage else 0.0,
             recoveries=j.recoveries,
+            members=list(view.members),
         )
 
     def _redacted(self, j: JobRecord) -> m.JobInfo:

@@ -325,7 +325,7 @@ class Coordinator:
         joined = ev.WorkerJoined(
             worker_id, msg.slots, memory_bytes=msg.memory_budget_bytes or math.inf, trainer_slots=msg.trainer_slots,
             role=msg.role, bucket=msg.bucket, stateless_generates=msg.stateless_generates, plan=msg.plan,
-            background_calls=tuple(msg.background_calls),
+            background_calls=tuple(msg.background_calls), node=msg.node, index=msg.index,
         )  # fmt: skip
         self._apply(joined)
         for w in [w for w in self._waiters if len(self._workers) >= w.min_workers]:

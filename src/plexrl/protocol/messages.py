@@ -93,6 +93,7 @@ class OpenJob(Envelope, tag="open_job", frozen=True):
     # What it trains, read from the model's config.json where the client can (``plexrl/plan.py``):
     # the coordinator places it by the memory plan, and refuses it if it fits no worker.
     shape: JobShape | None = None
+    devices: int = 1  # workers it trains on at once (a gang; coordinator/groups.GROUP_SIZES)
 
 
 class TurnOf(msgspec.Struct, frozen=True):
@@ -201,6 +202,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     swap_bytes: int = 0
     swap_s: float = 0.0
     recoveries: int = 0  # times its worker was lost and the job rebuilt on another
+    members: list[str] = []  # a job on several workers (a gang): them, its worker_id first
 
     @property
     def cost_vs_held(self) -> float:
@@ -236,6 +238,12 @@ class Register(Envelope, tag="register", frozen=True):
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM)
     plan: WorkerPlan | None = None  # its device's capacity and the settings the memory plan needs
     background_calls: list[str] = []  # call kinds it runs beside its other calls (in no trainer slot): open, save
+    # Where it sits, for jobs on several workers (coordinator/groups.py): its host ("": it takes
+    # one-device jobs only), its device index there, and its rendezvous store (host:port) for the
+    # process groups of the gangs it leads (worker/gang.py).
+    node: str = ""
+    index: int = 0
+    rendezvous: str = ""
 
 
 class StateMoved(Envelope, tag="state_moved", frozen=True):

@@ -86,6 +86,7 @@ class Engine:
         vllm_config: VllmConfig | None = None,
         checkpoint_root: str | os.PathLike[str] | None = None,
         trainer: TrainerSettings | None = None,
+        rendezvous_host: str = "127.0.0.1",
     ) -> None:
         if sampler not in ("hf", "vllm"):
             raise ValueError(f"sampler={sampler!r}: choose 'vllm' or 'hf'")
@@ -113,12 +114,16 @@ class Engine:
         # over the leader's rendezvous store (``stores.own`` is this worker's).
         self._gangs: dict[str, Gang] = {}
         self._stores: Stores | None = None
+        self._rendezvous_host = rendezvous_host
 
     @property
     def stores(self) -> Stores:
         if self._stores is None:
-            self._stores = Stores()
+            self._stores = Stores(self._rendezvous_host)
         return self._stores
+
+    def rendezvous(self) -> str:
+        return self.stores.address
 
     def plan(self) -> WorkerPlan:
         """This worker's device and the settings the memory plan needs (sent when it registers)."""

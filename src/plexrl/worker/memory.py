@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from plexrl.worker.trainer.job import WorkerJob
@@ -103,9 +104,14 @@ def device_capacity(device: torch.device) -> int:
 def planned_state_bytes(job: WorkerJob) -> int:
     """What the job's state takes on the device once it has stepped: trainer weights, their
     gradients and two AdamW moments, plus the hf sampler's copy (none when vLLM samples)."""
-    trainer = sum(p.numel() * p.element_size() for p in job.weights.trainer_params.values())
+    trainer = sum(_local(p).numel() * p.element_size() for p in job.weights.trainer_params.values())
     sampler = sum(p.numel() * p.element_size() for p in job.weights.sampler_params.values())
     return 4 * trainer + sampler
+
+
+def _local(t: Tensor) -> Tensor:
+    """What this worker holds of ``t``: its shard if ``t`` is sharded over a gang (a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Mover:

@@ -61,7 +61,11 @@ class CallEngine(Protocol):
         ``execute``. Cancelling the future aborts the call."""
         ...
 
-    def execute(self, job_id: str, call: calls.Call) -> calls.Result: ...
+    def execute(self, job_id: str, call: calls.Call, gang: m.GangCall | None = None) -> calls.Result: ...
+
+    def rendezvous(self) -> str:
+        """The host:port of its store for the process groups of the gangs it leads."""
+        ...
 
     def exclusive(self) -> AbstractContextManager[None]:
         """Sampling paused while inside (requests in flight are kept and go on after)."""
@@ -123,6 +127,10 @@ class WorkerConfig:
     role: str = "both"  # "rollout" | "train" | "both" (the coordinator's events.ROLES)
     bucket: int = 0  # a rollout worker's bucket (the lowest trajectory level it serves)
     data_host: str | None = None  # the address its data plane serves weights on (None: toward the coordinator)
+    # Where it sits, for jobs on several workers: its host and device index there ("": one-device
+    # jobs only). Its gangs' rendezvous store listens on its data host.
+    node: str = ""
+    index: int = 0
 
 
 EXIT_HUNG = 75  # the exit status of a worker declared hung (EX_TEMPFAIL: a supervisor starts it again)
@@ -206,6 +214,7 @@ class Worker:
             vllm_config=vllm,
             checkpoint_root=self.config.checkpoint_root,
             trainer=trainer,
+            rendezvous_host=self.config.data_host or host_toward(self.config.coordinator),
         )
 
     def serve(self) -> None:
@@ -272,6 +281,9 @@ class Worker:
             stateless_generates=self.config.sampler == "vllm",  # vLLM holds its own adapters (engine.py)
             plan=engine.plan(),
             background_calls=list(engine.background_calls),
+            node=self.config.node,
+            index=self.config.index,
+            rendezvous=engine.rendezvous() if self.config.node else "",
         )
         sock.send_multipart(self._codec.encode(msg), copy=False)
         deadline = time.monotonic() + self.config.register_timeout_s
@@ -320,15 +332,15 @@ class Worker:
             self._opening[ex.job_id].append(ex)
             return
         start = time.perf_counter()
-        try:
-            background = engine.start(ex.job_id, ex.call, ex.priority)
+        try:  # a gang's call runs in step with its other members: on the main thread, in order
+            background = engine.start(ex.job_id, ex.call, ex.priority) if ex.gang is None else None
         except Exception as e:  # rejected before it started: reply now
             rejected: Future[calls.Result] = Future()
             rejected.set_exception(e)
             sock.send_multipart(self._reply(ex, start, functools.partial(_outcome, rejected)), copy=False)
             return
         if background is None:
-            run = functools.partial(self._run, engine, ex.job_id, ex.call, ex.exclusive)
+            run = functools.partial(self._run, engine, ex.job_id, ex.call, ex.exclusive, ex.gang)
             sock.send_multipart(self._reply(ex, start, run), copy=False)
         else:
             self._running[ex.rid] = background
@@ -348,7 +360,9 @@ class Worker:
                 aborted.cancel()
                 sock.send_multipart(self._reply(ex, time.perf_counter(), functools.partial(_outcome, aborted)))
 
-    def _run(self, engine: CallEngine, job_id: str, call: calls.Call, exclusive: bool = False) -> calls.Result:
+    def _run(
+        self, engine: CallEngine, job_id: str, call: calls.Call, exclusive: bool = False, gang: m.GangCall | None = None
+    ) -> calls.Result:
         """Run ``call`` on the engine, with the data plane around it: weights a ``SetWeights``
         names are fetched from the worker serving them first; weights a call exports are
         published here after, and the coordinator hears where. ``exclusive``: sampling pauses
@@ -360,7 +374,7 @@ class Worker:
                 self._data.forget(job_id)
         received = time.time()  # a SetWeights' tensors are in memory now (inline ones came with the call)
         with engine.exclusive() if exclusive else contextlib.nullcontext():
-            result = engine.execute(job_id, call)
+            result = engine.execute(job_id, call, gang)
         match call, result:
             case calls.SetWeights(exported_at=exported), calls.Synced() if exported:
                 return msgspec.structs.replace(result, push_s=max(0.0, received - exported))

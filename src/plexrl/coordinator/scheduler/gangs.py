@@ -17,6 +17,7 @@ from plexrl.coordinator.scheduler.state import (
 )
 from plexrl.coordinator.scheduler.swaps import Swaps
 from plexrl.errors import NoWorkersError
+from plexrl.plan import JobShape, footprint
 
 
 class Gangs:
@@ -27,42 +28,59 @@ class Gangs:
         self.swaps = swaps
 
     def place(
-        self, job_id: str, state_bytes: int, weight: float, base: str, devices: int, elsewhere: bool, now: float
+        self,
+        job_id: str,
+        state_bytes: int,
+        weight: float,
+        base: str,
+        devices: int,
+        elsewhere: bool,
+        now: float,
+        shape: JobShape | None = None,
     ) -> list[Action]:
-        """Place a group job on an aligned block of ``devices`` workers with room for its shard."""
+        """Place a group job on an aligned block of ``devices`` workers with room for its shard
+        (by the plan where the workers have one and the job a ``shape``)."""
         if devices not in groups.GROUP_SIZES or elsewhere:
             why = (
                 f"job {job_id} asks for {devices} devices{' and generates elsewhere' if elsewhere else ''}: a job "
                 f"spans {', '.join(map(str, groups.GROUP_SIZES))} devices and generates on its own group"
             )
             return [Fail(job_id, None, NoWorkersError(why))]
-        job = ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0, base=base)
+        job = ScheduledJob(job_id, "", Residency(state_bytes, rs.HOST), weight=weight if weight > 0 else 1.0,
+                           base=base, shape=shape)  # fmt: skip
         job.devices = devices
         if not self.t.homes():  # none registered yet: it waits for a group, as a job whose worker was lost
             self.t.jobs[job_id] = job
             self.t.ledger.job_opened(job_id, now)
             self.t.homeless[job_id] = (now, f"job {job_id} opened with no worker registered")
             return [Place(job_id, "")]
-        chosen = self.choose(state_bytes, devices)
+        chosen = self.choose(job, devices)
         if isinstance(chosen, NoWorkersError):
             return [Fail(job_id, None, chosen)]
-        fits = all(w.used_bytes + state_bytes <= w.budget for w in chosen)
+        if chosen[0].plan is not None and shape is not None:
+            job.state.state_bytes = footprint(chosen[0].plan, shape).state  # a member's share
+        fits = all(w.used_bytes + job.state.state_bytes <= w.budget for w in chosen)
         job.state.tier = rs.DEVICE if fits else rs.HOST
         self.seat(job, chosen)
         self.t.jobs[job_id] = job
         self.t.ledger.job_opened(job_id, now)
         return [Place(job_id, job.home, "", members=job.members)]
 
-    def choose(self, state_bytes: int, devices: int) -> list[ScheduledWorker] | NoWorkersError:
+    def choose(self, job: ScheduledJob, devices: int) -> list[ScheduledWorker] | NoWorkersError:
         """The least loaded aligned block whose members' budgets hold a shard (``dedicated``: a free one)."""
-        blocks = [b for b in groups.aligned_blocks(self.t.homes(), devices) if all(state_bytes <= w.budget for w in b)]
+
+        def holds(w: ScheduledWorker) -> bool:
+            size = job.state.state_bytes if w.plan is None or job.shape is None else footprint(w.plan, job.shape).state
+            return size <= min(w.budget, self.t.room_alone(w, job))
+
+        blocks = [b for b in groups.aligned_blocks(self.t.homes(), devices) if all(holds(w) for w in b)]
         if self.t.policy.name == "dedicated":
             blocks = [b for b in blocks if not any(w.jobs or w.samplers for w in b)]
         if not blocks:
             return NoWorkersError(
                 f"no aligned block of {devices} workers on one node (indices i..i+{devices - 1}, i a multiple of "
-                f"{devices}) is free for a shard of {state_bytes} bytes: start workers with --node and --index, "
-                "close a job, or ask for fewer devices"
+                f"{devices}) has room for job {job.job_id}'s share of {job.state.state_bytes} bytes: start workers "
+                "with --node and --index, close a job, or ask for more devices"
             )
         return list(groups.least_loaded(blocks, lambda w: len(w.jobs) + len(w.samplers)))
 
@@ -71,6 +89,7 @@ class Gangs:
         job.home = job.sampler = job.members[0]
         for w in members:
             w.jobs.add(job.job_id)
+            w.fixed.update(self.t.fixes(w, job))
             if job.state.tier == rs.DEVICE:
                 w.used_bytes += job.state.state_bytes
 
@@ -154,6 +173,7 @@ class Gangs:
             if w.swapping is not None and w.swapping.job_id == job.job_id:
                 w.swapping = None  # its SwapDone, when it comes, finds no swap to settle
             w.jobs.discard(job.job_id)
+            self.t.unfix(w, job)
             if w.gang == job.job_id:
                 w.gang = ""
         job.members = ()

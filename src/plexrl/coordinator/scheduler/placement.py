@@ -128,5 +128,10 @@ class Placement:
         return JobTooLargeError(
             f"job {job.job_id} fits no worker: on {best.worker_id} ({best.plan.device_type}, "
             f"{gib(best.plan.capacity_bytes)}, {best.plan.dtype}) {why}. Use a smaller model or LoRA rank, "
-            "a smaller --max-tokens-per-microbatch, or a worker with more memory"
+            "a smaller --max-tokens-per-microbatch, a worker with more memory"
+            + (
+                ", or a gang of workers sharing its state (plexrl.job(..., devices=2))"
+                if job.shape.lora_rank == 0
+                else ""
+            )
         )

@@ -113,7 +113,7 @@ class Recovery:
     def rehome(self, job: ScheduledJob, now: float) -> list[Action]:
         """Place a job that lost its worker (or never had one), if a worker can take it now."""
         if job.devices > 1:
-            block = self.gangs.choose(job.state.state_bytes, job.devices)
+            block = self.gangs.choose(job, job.devices)
             if isinstance(block, NoWorkersError):
                 return []
             del self.t.homeless[job.job_id]

@@ -114,11 +114,15 @@ class Scheduler:
         """The job as the scheduler holds it (KeyError: no such job)."""
         job = self.t.jobs[job_id]
         sampler = job.sampler if job.sampler != job.home else ""
-        return JobView(job.home, sampler, job.pooled, job.recoverable, job.closing, job.lost)
+        return JobView(job.home, sampler, job.pooled, job.recoverable, job.closing, job.lost, job.members)
 
     def where(self, call_id: int) -> str | None:
         """The worker running the call (None: queued, or not known)."""
         return self.t.ran_on.get(call_id)
+
+    def members(self, call_id: int) -> tuple[str, ...]:
+        """The workers a gang's running call runs on, its leader first (() : not a gang's)."""
+        return self.t.gangs.get(call_id, ("", ()))[1]
 
     def follows_on(self, call_id: int) -> bool:
         """The call, if it ends well, goes on as a call of the scheduler's own on its job's sampler
@@ -279,7 +283,9 @@ class Scheduler:
         job_id, pooled = event.job_id, event.pooled
         if event.devices != 1:
             elsewhere = event.disaggregated or pooled
-            return self.gangs.place(job_id, event.state_bytes, event.weight, event.base, event.devices, elsewhere, now)
+            return self.gangs.place(
+                job_id, event.state_bytes, event.weight, event.base, event.devices, elsewhere, now, event.shape
+            )
         actions = self.placement.place(
             job_id, event.state_bytes, event.weight, event.base, event.disaggregated, now, event.shape
         )

@@ -212,6 +212,7 @@ class JobView:
     recoverable: bool  # rebuilt on another worker when its home is lost
     closing: bool  # its close is submitted
     lost: PlexError | None  # why it cannot go on (None: it can)
+    members: tuple[str, ...] = ()  # a gang job's workers, its home first (() : one device)
 
 
 @dataclass(slots=True)
