@@ -119,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a worker may run a call without engine progress before it is declared hung (0: never)",
     )
     p.add_argument(
+        "--gang-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a job on several workers (devices=N) waits for its members in a collective before its "
+        "call fails and the job is rebuilt from its snapshot (below --hang-timeout)",
+    )
+    p.add_argument(
         "--max-calls-per-tenant", type=int, default=20_000, help="calls one key may have queued or running at once"
     )
     p.add_argument(
@@ -487,6 +494,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         client_timeout_s=args.client_timeout,
         client_grace_s=args.client_grace,
         hang_timeout_s=args.hang_timeout,
+        gang_timeout_s=args.gang_timeout,
         snapshot_max_bytes=args.snapshot_max_bytes,
         recovery_wait_s=args.recovery_wait,
         journal=args.journal,

@@ -91,3 +91,35 @@ async def test_a_full_fine_tune_too_large_for_one_worker_trains_on_two(tiny_mode
         async with plexrl.job("big", model=tiny_model, lora=None, optimizer=adam, devices=2) as big:
             losses = [(await big.optimize(target, loss="cross_entropy")).loss for _ in range(6)]
     assert losses[-1] < 0.9 * losses[0]
+
+
+async def run_killing(tiny_model: Path, kill: bool) -> tuple[list[float], np.ndarray, int]:
+    """Three steps of a LoRA job on a gang of two; with ``kill``, a member is SIGKILLed right after
+    the second step's calls are submitted, and a replacement worker started (the job waits for a
+    block of two, then is rebuilt on it from its snapshot and runs the step again)."""
+    cluster = plexrl.local(workers=2, heartbeat_interval_s=0.2, heartbeat_liveness=5)
+    losses = []
+    async with cluster as client, plexrl.job("g", tiny_model, lora=plexrl.LoRA(rank=4), seed=3, devices=2) as job:
+        for step, batch in enumerate(batches(3)):
+            pending = asyncio.gather(job.forward_backward(batch), job.optim_step())
+            if kill and step == 1:
+                workers = (await client.status()).workers  # answered once the calls above are dispatched
+                victim = next(w for w in workers if w.name == "local-1")
+                (proc,) = [p for p in cluster.worker_processes if p.pid == victim.pid]
+                proc.kill()
+                await proc.wait()
+                await cluster.start_worker(1)
+            async with asyncio.timeout(120):
+                done, _ = await pending
+            losses.append(done.loss)
+        probe = (await job.logprobs(PROMPTS)).logprobs.values
+        recoveries = (await job.stats()).recoveries
+    return losses, probe, recoveries
+
+
+async def test_a_gang_job_whose_member_is_killed_goes_on_as_if_nothing_happened(tiny_model: Path) -> None:
+    calm_losses, calm_probe, none = await run_killing(tiny_model, kill=False)
+    losses, probe, once = await run_killing(tiny_model, kill=True)
+    assert (none, once) == (0, 1)
+    np.testing.assert_allclose(losses, calm_losses, rtol=1e-6)
+    np.testing.assert_allclose(probe, calm_probe, atol=1e-6)

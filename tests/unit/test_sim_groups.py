@@ -16,6 +16,7 @@ from plexrl.coordinator.events import (
     CallSubmitted,
     Dispatch,
     Fail,
+    GangBroken,
     JobLost,
     JobOpened,
     JobSized,
@@ -28,7 +29,7 @@ from plexrl.coordinator.events import (
     WorkerLost,
 )
 from plexrl.coordinator.scheduler import Scheduler
-from plexrl.errors import NoWorkersError, WorkerLostError
+from plexrl.errors import GangBrokenError, NoWorkersError, WorkerLostError
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, MICROBATCH_TOKENS, QWEN3, group_costs, group_job, ring_s
 
@@ -233,6 +234,24 @@ def test_a_group_without_a_saved_state_that_loses_a_member_fails_as_a_unit() -> 
     assert isinstance(actions[0], Fail) and isinstance(actions[0].error, WorkerLostError)
     assert s.used_bytes("w0") == 0 and not s.running_on("w0")
     assert s.handle(JobOpened("a"), 3.0) == [Place("a", "w0")]  # w0 is free for others
+
+
+def test_a_recoverable_group_whose_gang_broke_is_rebuilt_from_its_snapshot_and_redoes_its_call() -> None:
+    s = _running_group(recoverable=True)
+    actions = s.handle(GangBroken("g", "a collective timed out"), 2.0)
+    # Its members may differ: its state is made again from the snapshot, on the least loaded block
+    # (its own, now free), before the call runs again.
+    assert actions == [Recover("g", "w0", members=("w0", "w1")), Dispatch(-1, "w0", own=OwnCall("g", "restore"))]
+    assert s.handle(CallFinished(-1), 3.0) == [Dispatch(1, "w0")]
+    assert [s.used_bytes(w) for w in ("w0", "w1", "w2", "w3")] == [30, 30, 0, 0]
+
+
+def test_a_group_without_a_saved_state_whose_gang_broke_is_lost() -> None:
+    s = _running_group(recoverable=False)
+    actions = s.handle(GangBroken("g", "a collective timed out"), 2.0)
+    assert [(type(a), getattr(a, "call_id", None)) for a in actions] == [(Fail, 1), (JobLost, None)]
+    assert isinstance(actions[0], Fail) and isinstance(actions[0].error, GangBrokenError)
+    assert not s.running_on("w0") and not s.running_on("w1")
 
 
 # -- costs -------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class LocalCluster:
         client_timeout_s: float | None = None,
         client_grace_s: float | None = None,
         hang_timeout_s: float | None = None,
+        gang_timeout_s: float | None = None,
         snapshot_max_bytes: int | None = None,
         journal: str | os.PathLike[str] | None = None,
         roles: list[str] | None = None,
@@ -95,6 +96,7 @@ class LocalCluster:
         self.client_timeout_s = client_timeout_s
         self.client_grace_s = client_grace_s
         self.hang_timeout_s = hang_timeout_s  # a worker running a call without progress this long is lost
+        self.gang_timeout_s = gang_timeout_s  # a gang's members wait this long for each other in a collective
         self.snapshot_max_bytes = snapshot_max_bytes  # jobs up to this size survive their worker (0: none)
         self.journal = journal  # the coordinator's journal: its jobs survive its restart (None: none)
         # Libra: worker i's role ("both", "rollout", "train") and bucket; ``elastic``: the
@@ -211,6 +213,7 @@ class LocalCluster:
                 *(["--client-timeout", str(self.client_timeout_s)] if self.client_timeout_s is not None else []),
                 *(["--client-grace", str(self.client_grace_s)] if self.client_grace_s is not None else []),
                 *(["--hang-timeout", str(self.hang_timeout_s)] if self.hang_timeout_s is not None else []),
+                *(["--gang-timeout", str(self.gang_timeout_s)] if self.gang_timeout_s is not None else []),
                 *(["--snapshot-max-bytes", str(self.snapshot_max_bytes)] if self.snapshot_max_bytes is not None else []),
                 *(["--journal", os.fspath(self.journal)] if self.journal is not None else []),
                 *(["--elastic"] if self.elastic else []),

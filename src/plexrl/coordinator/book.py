@@ -350,7 +350,11 @@ class Book:
                 return  # the other members' answers are still to come
             msg, worker_id = answer, rec.gang.members[0]
             if isinstance(msg, m.ErrorReply) and msg.code == GangBrokenError.code and rec.job_id in self._jobs:
-                self._jobs[rec.job_id].gang_epoch += 1  # its next call meets in a new process group
+                # Its members may differ now: rebuilt from its snapshot (the call runs again) or lost.
+                self._jobs[rec.job_id].gang_epoch += 1  # they meet in a new process group
+                log.warning("job %s: call %d broke its gang: %s", rec.job_id, rec.call_id, msg.message)
+                self._apply(ev.GangBroken(rec.job_id, msg.message))
+                return
         if rec is None or self._scheduler.where(rec.call_id) != worker_id:
             log.warning("dropping outcome of unknown call %d from worker %s", msg.rid, worker_id)
             return

@@ -36,7 +36,8 @@ class CoordinatorConfig:
     # Longer than any one step of work (a model load, one forward or backward); 0: never.
     hang_timeout_s: float = 600.0
     # A job on several workers (a gang): the deadline of its members' rendezvous and of each of
-    # their collectives (worker/gang.py), after which the call fails and the gang is rebuilt.
+    # their collectives (worker/gang.py), after which the call fails and the gang is rebuilt (at
+    # most half of ``hang_timeout_s``).
     gang_timeout_s: float = 120.0
     # A journal file (SQLite): jobs that survive the loss of their worker also survive a restart of
     # the coordinator (started again with the same journal). None: a restart loses every job.
@@ -57,3 +58,10 @@ class CoordinatorConfig:
     # by them from its home worker's data plane (worker/dataplane.py); "coordinator", through
     # this process in the calls' messages (what bench/weights.py measures the data plane against).
     weights_via: str = "workers"
+
+    def __post_init__(self) -> None:
+        if not self.gang_timeout_s > 0:
+            raise ValueError(f"gang_timeout_s={self.gang_timeout_s} must be > 0")
+        if 0 < self.hang_timeout_s <= self.gang_timeout_s:
+            # A gang's members give up on a silent member before it is declared hung.
+            self.gang_timeout_s = self.hang_timeout_s / 2

@@ -56,6 +56,16 @@ class WorkerLost:
 
 
 @dataclass(frozen=True, slots=True)
+class GangBroken:
+    """A gang job's call broke its process group (a member failed or timed out between
+    collectives): its members' states may differ, so it is rebuilt as if a member were lost; the
+    call runs again after."""
+
+    job_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class JobOpened:
     job_id: str
     state_bytes: int = 0  # what must be on the device for its calls to run
@@ -172,6 +182,7 @@ Event = (
     WorkerJoined
     | WorkerRole
     | WorkerLost
+    | GangBroken
     | JobOpened
     | JobResumed
     | JobSized

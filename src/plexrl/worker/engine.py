@@ -230,6 +230,8 @@ class Engine:
         with self._lock:
             if gang is None:
                 return self._execute(job_id, call, None)
+            if isinstance(call, Restore):  # a gang rebuilt (maybe on this worker): what it had here goes
+                self._drop(job_id)
             member = self._gang(job_id, gang)
             try:
                 return self._execute(job_id, call, member)
@@ -240,6 +242,16 @@ class Engine:
             finally:
                 if isinstance(call, Close):
                     self._gangs.pop(job_id).close()
+
+    def _drop(self, job_id: str) -> None:
+        """Forget the job here, and its gang, if it has them."""
+        job = self._jobs.pop(job_id, None)
+        self._tenants.pop(job_id, None)
+        if job is not None:
+            job.close()
+        gang = self._gangs.pop(job_id, None)
+        if gang is not None:
+            gang.close()
 
     def _gang(self, job_id: str, spec: GangCall) -> Gang:
         """The job's process group at ``spec``'s epoch: the one it has, or a new one."""

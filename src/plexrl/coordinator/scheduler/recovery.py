@@ -21,7 +21,7 @@ from plexrl.coordinator.scheduler.state import (
     ScheduledJob,
     Tables,
 )
-from plexrl.errors import NoWorkersError, PlexError, WorkerLostError
+from plexrl.errors import GangBrokenError, NoWorkersError, PlexError, WorkerLostError
 from plexrl.names import CallKind
 
 LOST = "its unsaved training state is gone: open the job again and load its last checkpoint"
@@ -81,6 +81,24 @@ class Recovery:
             queued = self.t.jobs[job_id].queues[SAMPLER]
             homes |= {w for c in queued for w in self.calls.lane_workers(self.t.calls[c])}
         # A re-queued restore starts there (a new one is submitted and starts then).
+        return actions + self._dispatch(homes, now)
+
+    def rebuild(self, job_id: str, reason: str, now: float) -> list[Action]:
+        """A gang job whose process group broke mid-call: its members may hold different states,
+        so it is taken off them and recovered (on a block, maybe the same one, behind a restore
+        from its snapshot; its running call queued again), or lost, as if a member were lost."""
+        job = self.t.jobs.get(job_id)
+        if job is None or not job.members or job.lost is not None:
+            return []
+        leader = job.home
+        broke = f"job {job_id}'s gang broke ({reason})"
+        survivors = self.gangs.disband(job, now, requeue=job.recoverable)
+        job.home = job.sampler = leader
+        if job.recoverable:
+            actions = self._recover(job, leader, broke, now)
+        else:
+            actions = self.lose_job(job, GangBrokenError(f"{broke}; {LOST}"), now)
+        homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id} | set(survivors)
         return actions + self._dispatch(homes, now)
 
     def _recover(self, job: ScheduledJob, lost_worker: str, lost: str, now: float) -> list[Action]:

@@ -11,6 +11,7 @@ from plexrl.coordinator.events import (
     CallSubmitted,
     EnginesMoved,
     Event,
+    GangBroken,
     JobClosed,
     JobOpened,
     JobResumed,
@@ -174,6 +175,8 @@ class Scheduler:
                 actions, touched = self._on_worker_role(event, now)
             case WorkerLost(worker_id, reason):
                 actions, touched = self.recovery.lose_worker(worker_id, reason, now), []
+            case GangBroken(job_id, reason):
+                actions, touched = self.recovery.rebuild(job_id, reason, now), []
             case JobOpened():
                 actions, touched = self._on_job_opened(event, now), []
             case JobResumed():
