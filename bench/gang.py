@@ -59,7 +59,7 @@ async def fits(args: argparse.Namespace) -> bool:
     adamw = plexrl.AdamW(lr=args.full_lr)
     print(f"fits: full fine-tune of {params:,} parameters (state {16 * params / 2**20:.1f} MiB alone, "
           f"{8 * params / 2**20:.1f} MiB a member of two), budget {budget / 2**20:.1f} MiB a worker")  # fmt: skip
-    async with plexrl.local(workers=2, cpus_per_worker=1, memory_budget_bytes=budget) as client:
+    async with plexrl.local(workers=2, cpus_per_worker=1, memory_budget_bytes=budget, sampler=args.sampler) as client:
         try:
             async with plexrl.job("alone", model=TINY_MODEL, lora=None, optimizer=adamw, seed=args.seed):
                 refused = False
@@ -114,7 +114,7 @@ async def dp(args: argparse.Namespace) -> float:
     """One LoRA job's training step with one and with two data-parallel members."""
     print(f"dp: LoRA rank 8, {args.rows} rows x {args.length} tokens a step, {args.dp_steps} steps a run")
     ratios, times = [], {1: [], 2: []}
-    async with plexrl.local(workers=2, cpus_per_worker=1):
+    async with plexrl.local(workers=2, cpus_per_worker=1, sampler=args.sampler):
         for r in range(args.repeats):
             one, two = await step_seconds(1, args, r), await step_seconds(2, args, r)
             times[1].append(one)
@@ -151,6 +151,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=64, help="dp: rows a step")
     p.add_argument("--length", type=int, default=256, help="dp: tokens a row")
     p.add_argument("--dp-steps", type=int, default=3, help="dp: timed steps a run")
+    p.add_argument(
+        "--sampler", choices=["vllm", "hf"], default=None, help="the workers' sampler (default: vllm where installed)"
+    )
     return p.parse_args()
 
 

@@ -118,9 +118,12 @@ def grpo_batches(steps: int, rows: int = 6, seed: int = 0) -> list[Any]:
     return batches
 
 
-def train(model: str, lora: bool, batches: list[Any], gang: GangCall | None, kl_coef: float = 0.0) -> dict[str, Any]:
+def train(
+    model: str, lora: bool, batches: list[Any], gang: GangCall | None, kl_coef: float = 0.0, move: bool = False
+) -> dict[str, Any]:
     """Open a job and run forward_backward + optim_step on each batch (as one gang member, or
-    alone): the losses, token counts, grad norms, logprobs and final weights it ends with."""
+    alone): the losses, token counts, grad norms, logprobs and final weights it ends with.
+    ``move``: its state goes to host memory and back between each forward_backward and optim_step."""
 
     from plexrl.protocol.calls import ForwardBackward, JobSpec, Logprobs, Open, OptimStep
     from plexrl.types import AdamW, LoRA, LossConfig
@@ -139,6 +142,11 @@ def train(model: str, lora: bool, batches: list[Any], gang: GangCall | None, kl_
         out["loss"].append(done.loss)
         out["num_tokens"].append(done.num_tokens)
         out["metrics"].append(done.metrics)
+        if move:
+            engine.move("job", "host")
+            shards = [p.to_local() for p in engine._jobs["job"].weights.trainer_params.values()]
+            out.setdefault("emptied", []).append(all(t.untyped_storage().nbytes() == 0 for t in shards))
+            engine.move("job", "device")
         out["grad_norm"].append(engine.execute("job", OptimStep(), gang).grad_norm)
     out["logprobs"] = engine.execute("job", Logprobs(tokens=batches[0].tokens), gang).logprobs.values
     job = engine._jobs["job"]

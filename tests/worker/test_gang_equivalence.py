@@ -80,3 +80,18 @@ def test_a_full_fine_tune_sharded_over_two_workers_trains_as_on_one(
         kl_coef=kl_coef,
     )
     assert_same(gang, alone)
+
+
+def test_a_sharded_job_moved_out_and_in_mid_step_trains_as_if_it_stayed(
+    pool: ProcessPoolExecutor, store: str, tiny_model: Path
+) -> None:
+    steps = members.grpo_batches(2)
+    kw: dict[str, Any] = {"model": str(tiny_model), "lora": False, "batches": steps}
+    stayed = [pool.submit(members.train, gang=members.call(r, store, "stayed"), **kw) for r in range(2)]
+    stayed_out = [f.result(timeout=240) for f in stayed]
+    moved = [pool.submit(members.train, gang=members.call(r, store, "moved"), move=True, **kw) for r in range(2)]
+    for before, after in zip(stayed_out, [f.result(timeout=240) for f in moved], strict=True):
+        assert after["emptied"] == [True, True]  # every shard left the device
+        assert after["loss"] == before["loss"] and after["grad_norm"] == before["grad_norm"]
+        for k, w in before["weights"].items():
+            np.testing.assert_array_equal(after["weights"][k], w, err_msg=k)  # the same bits

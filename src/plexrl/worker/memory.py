@@ -76,21 +76,42 @@ def _entry_ref(state: dict[str, object], key: str) -> _Ref:
 
 
 def state_refs(job: WorkerJob) -> dict[str, _Ref]:
-    """Every movable tensor of ``job``, in the order a move *in* restores them (parameters first:
-    a gradient must match its parameter's shape)."""
+    """Every movable tensor of ``job`` but its shards (``shard_storages``), in the order a move
+    *in* restores them (parameters first: a gradient must match its parameter's shape)."""
     weights = job.weights
     refs: dict[str, _Ref] = {}
-    for name, p in weights.trainer_params.items():
+    trained = {name: p for name, p in weights.trainer_params.items() if not isinstance(p, DTensor)}
+    for name, p in trained.items():
         refs[f"trainer/{name}"] = _param_ref(p)
     for name, p in weights.sampler_params.items():
         refs[f"sampler/{name}"] = _param_ref(p)
-    for name, p in weights.trainer_params.items():
+    for name, p in trained.items():
         refs[f"grad/{name}"] = _grad_ref(p)
         state = job.optimizer.state.get(p, {})
         for key, value in state.items():
             if isinstance(value, Tensor) and value.ndim > 0:  # AdamW's scalar step counter stays
                 refs[f"optim/{name}/{key}"] = _entry_ref(state, key)
     return refs
+
+
+def shard_storages(job: WorkerJob) -> dict[str, torch.UntypedStorage]:
+    """The storages of a sharded job's shards (FSDP2's parameters, their gradients and moments:
+    DTensors), each once. FSDP2 keeps views into them, so a move empties and refills them in
+    place (``resize_``) rather than putting other tensors in their place."""
+    out: dict[str, torch.UntypedStorage] = {}
+    seen: set[int] = set()
+    for name, p in job.weights.trainer_params.items():
+        if not isinstance(p, DTensor):
+            continue
+        state = job.optimizer.state.get(p, {})
+        moments = {f"optim/{name}/{k}": v for k, v in state.items() if isinstance(v, DTensor)}
+        for key, t in {f"trainer/{name}": p, f"grad/{name}": p.grad, **moments}.items():
+            if isinstance(t, DTensor):
+                storage = t.to_local().untyped_storage()
+                if storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    out[key] = storage
+    return out
 
 
 def device_capacity(device: torch.device) -> int:
@@ -114,6 +135,11 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> Tensor:
+    """A uint8 tensor over ``storage`` (its bytes, for copying)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class Mover:
     """Performs a worker's state transitions; one at a time (the scheduler sends one per worker)."""
 
@@ -126,13 +152,17 @@ class Mover:
         if job.host_state is not None:
             return Moved(HOST, 0, 0.0)
         start = time.perf_counter()
-        refs = state_refs(job)
-        store = self._copy({k: t for k, r in refs.items() if (t := r.get()) is not None}, to_host=True)
+        refs, shards = state_refs(job), shard_storages(job)
+        tensors = {k: t for k, r in refs.items() if (t := r.get()) is not None}
+        tensors |= {f"shard:{k}": _bytes_of(s) for k, s in shards.items()}
+        store = self._copy(tensors, to_host=True)
         for key in reversed(list(refs)):  # gradients before their parameters
             ref = refs[key]
             if key in store:
                 t = store[key]
                 ref.put(torch.empty(0, dtype=t.dtype, device=self.device) if ref.placeholder else None)
+        for shard in shards.values():
+            shard.resize_(0)
         job.host_state = store
         return Moved(HOST, sum(t.nbytes for t in store.values()), time.perf_counter() - start)
 
@@ -141,13 +171,17 @@ class Mover:
         if store is None:
             return Moved(DEVICE, 0, 0.0)
         start = time.perf_counter()
-        refs = state_refs(job)
-        placed = self._copy(store, to_host=False)
+        refs, shards = state_refs(job), shard_storages(job)
+        for key, shard in shards.items():  # refilled in place: FSDP2's views see them again
+            saved = store[f"shard:{key}"]
+            shard.resize_(saved.nbytes)
+            _bytes_of(shard).copy_(saved)
+        placed = self._copy({k: t for k, t in store.items() if not k.startswith("shard:")}, to_host=False)
         for key, ref in refs.items():  # parameters, then gradients and moments
             if key in placed:
                 ref.put(placed[key])
         job.host_state = None
-        return Moved(DEVICE, sum(t.nbytes for t in placed.values()), time.perf_counter() - start)
+        return Moved(DEVICE, sum(t.nbytes for t in store.values()), time.perf_counter() - start)
 
     def _copy(self, tensors: dict[str, Tensor], to_host: bool) -> dict[str, Tensor]:
         """Copies of ``tensors`` in the host store (pinned on CUDA) or on the device, made on the
