@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -151,5 +152,55 @@ def train(
     out["logprobs"] = engine.execute("job", Logprobs(tokens=batches[0].tokens), gang).logprobs.values
     job = engine._jobs["job"]
     out["weights"] = {k: t.cpu().numpy() for k, t in job._trained().items()}
+    engine.close()
+    return out
+
+
+def elastic(model: str, batches: list[Any], role: str, store: str, snapshot_dir: str) -> dict[str, Any]:
+    """A LoRA job's three steps, data parallel for the second only (``role``): "home" runs all
+    three, alone, then with a joiner, then alone again; "joiner" joins for step 2 from the home's
+    snapshot after step 1 (``Restore``, as the coordinator sends it) and leaves (``Close``) after
+    it; "alone" runs all three on one worker."""
+    import pickle
+
+    from plexrl.protocol.calls import Close, ForwardBackward, JobSpec, Open, OptimStep, Restore
+    from plexrl.types import AdamW, LoRA, LossConfig
+    from plexrl.worker.engine import Engine
+    from plexrl.worker.trainer.forward import TrainerSettings
+
+    engine = Engine(trainer=TrainerSettings(max_tokens_per_microbatch=24))
+    engine._stores = stores()
+    spec = JobSpec(model=model, lora=LoRA(rank=4), optimizer=AdamW(lr=1e-2), seed=3)
+    opening = Open(spec=spec, snapshot_max_bytes=1 << 30)
+    snapshot_path = f"{snapshot_dir}/snapshot.pickle"
+    wide = {"home": call(0, store, "elastic"), "joiner": call(1, store, "elastic")}.get(role)
+
+    def step(batch: Any, gang: GangCall | None) -> Any:
+        engine.execute("job", ForwardBackward(batch=batch, loss="grpo", loss_config=LossConfig()), gang)
+        return engine.execute("job", OptimStep(snapshot=gang is None), gang)
+
+    if role == "joiner":
+        deadline = time.monotonic() + 120
+        while not os.path.exists(snapshot_path):  # the home's first step (a test helper: no coordinator here)
+            if time.monotonic() > deadline:
+                raise TimeoutError("the home never wrote its snapshot")
+            time.sleep(0.05)
+        with open(snapshot_path, "rb") as f:
+            snapshot = pickle.load(f)
+        engine.execute("job", Restore(open=opening, snapshot=snapshot, replay=[]), wide)
+        step(batches[1], wide)
+        engine.execute("job", Close(), wide)
+        engine.close()
+        return {}
+    engine.execute("job", opening)
+    first = step(batches[0], None)
+    if role == "home":
+        with open(snapshot_path + ".tmp", "wb") as f:
+            pickle.dump(first.snapshot, f)
+        os.rename(snapshot_path + ".tmp", snapshot_path)
+    step(batches[1], wide)
+    step(batches[2], None)
+    job = engine._jobs["job"]
+    out = {"step": job.step, "weights": {k: t.cpu().numpy() for k, t in job._trained().items()}}
     engine.close()
     return out

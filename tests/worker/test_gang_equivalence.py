@@ -95,3 +95,20 @@ def test_a_sharded_job_moved_out_and_in_mid_step_trains_as_if_it_stayed(
         assert after["loss"] == before["loss"] and after["grad_norm"] == before["grad_norm"]
         for k, w in before["weights"].items():
             np.testing.assert_array_equal(after["weights"][k], w, err_msg=k)  # the same bits
+
+
+def test_a_worker_joining_a_lora_job_for_a_step_and_leaving_changes_nothing(
+    pool: ProcessPoolExecutor, store: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Elastic data parallelism at the worker: a joiner becomes a copy of the job from its last
+    snapshot (a ``Restore``), trains one step as a member, then closes its copy."""
+    steps = members.grpo_batches(3)
+    kw: dict[str, Any] = {"model": str(tiny_model), "batches": steps, "store": store}
+    home = pool.submit(members.elastic, role="home", snapshot_dir=str(tmp_path), **kw)
+    joiner = pool.submit(members.elastic, role="joiner", snapshot_dir=str(tmp_path), **kw)
+    alone = pool.submit(members.elastic, role="alone", snapshot_dir=str(tmp_path / "unused"), **kw)
+    widened, unchanged = home.result(timeout=240), alone.result(timeout=240)
+    assert joiner.result(timeout=240) == {}
+    assert widened["step"] == unchanged["step"] == 3  # no step lost or applied twice
+    for k, w in unchanged["weights"].items():
+        np.testing.assert_allclose(widened["weights"][k], w, atol=WEIGHT_ATOL, err_msg=k)

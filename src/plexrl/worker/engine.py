@@ -229,6 +229,8 @@ class Engine:
         several workers (every member runs it; they meet in collectives)."""
         with self._lock:
             if gang is None:
+                if job_id in self._gangs:  # the job narrowed to this worker alone: its group goes
+                    self._gangs.pop(job_id).close()
                 return self._execute(job_id, call, None)
             if isinstance(call, Restore):  # a gang rebuilt (maybe on this worker): what it had here goes
                 self._drop(job_id)
