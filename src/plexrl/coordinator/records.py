@@ -15,7 +15,7 @@ from plexrl.coordinator import events as ev
 from plexrl.coordinator.events import OwnCall
 from plexrl.coordinator.journal import JobRow, JournaledJob
 from plexrl.coordinator.scheduler import JobView
-from plexrl.errors import InvalidRequestError
+from plexrl.errors import GangBrokenError, InvalidRequestError
 from plexrl.names import JobStatus
 from plexrl.protocol import calls
 from plexrl.protocol import messages as m
@@ -106,7 +106,8 @@ class CallRecord:
 @dataclass
 class GangWait:
     """A call sent to every member of a gang: it is done when all have answered; the leader's
-    answer is the call's, unless a member failed (then the first failure, the leader's first)."""
+    answer is the call's, unless a member failed: then a broken gang if one says so (its state
+    is rebuilt), else the first failure, the leader's first."""
 
     members: tuple[str, ...]  # the leader first
     replies: dict[str, m.CallDone | m.ErrorReply] = field(default_factory=dict)
@@ -116,7 +117,10 @@ class GangWait:
         if len(self.replies) < len(self.members):
             return None
         failed = [r for w in self.members if isinstance(r := self.replies[w], m.ErrorReply)]
-        return failed[0] if failed else self.replies[self.members[0]]
+        broken = [r for r in failed if r.code == GangBrokenError.code]
+        if broken or failed:
+            return (broken or failed)[0]
+        return self.replies[self.members[0]]
 
 
 @dataclass

@@ -229,7 +229,7 @@ class WorkerJob:
         for r, n in self._passes(tokens.lengths(), np.arange(len(tokens)), tokens_B_T.device):
             self.progress.tick()
             if r is None:
-                self._idle_pass(model, grad=False)
+                self._idle_pass(train=False)
                 continue
             with torch.no_grad(), self._autocast():
                 logp_B_T1[r, : n - 1] = target_logprobs(
@@ -296,10 +296,8 @@ class WorkerJob:
         try:
             for r, n in self._passes(batch.tokens.lengths(), np.flatnonzero(live.cpu().numpy()), device):
                 self.progress.tick()
-                model = self.weights.trainer_model(train=True)
-                set_checkpointing(model, self.checkpointing and not forward_only)
                 if r is None:
-                    self._idle_pass(model, grad=not forward_only)
+                    self._idle_pass(train=not forward_only)
                     continue
                 tokens, select = tokens_B_T[r, :n], select_B_T1[r, : n - 1]
                 ref_logp = None
@@ -307,6 +305,7 @@ class WorkerJob:
                     with self.base.reference() as reference, torch.no_grad(), self._autocast():
                         ref_logp = target_logprobs(reference, tokens, select, config.temperature, chunk)
                 model = self.weights.trainer_model(train=True)
+                set_checkpointing(model, self.checkpointing and not forward_only)
                 with torch.enable_grad() if not forward_only else torch.no_grad(), self._autocast():
                     logp = target_logprobs(model, tokens, select, config.temperature, chunk)
                 if logp_B_T1 is not None:
@@ -410,14 +409,18 @@ class WorkerJob:
         )
         return mine + [(None, 2)] * (most - len(mine))
 
-    def _idle_pass(self, model: nn.Module, grad: bool) -> None:
-        """A pass over one 2-token row whose loss is zero: it takes part in a sharded gang's
-        collectives and adds nothing to the gradients."""
+    def _idle_pass(self, train: bool) -> None:
+        """A pass over one 2-token row whose loss is zero (``train``: with its backward, under the
+        same checkpointing as the real passes): it takes part in a sharded gang's collectives and
+        adds nothing to the gradients."""
+        model = self.weights.trainer_model(train=train)
+        if train:
+            set_checkpointing(model, self.checkpointing)
         tokens = torch.full((1, 2), self.base.pad_token_id, dtype=torch.long, device=self.base.device)
         select = torch.ones((1, 1), dtype=torch.bool, device=self.base.device)
-        with torch.enable_grad() if grad else torch.no_grad(), self._autocast():
+        with torch.enable_grad() if train else torch.no_grad(), self._autocast():
             logp = target_logprobs(model, tokens, select, 1.0, self.settings.chunk_elements)
-        if grad:
+        if train:
             (logp.sum() * 0.0).backward()
 
     def _gathered(self, outs: list[LossOutput], failure: str | None, discard: bool) -> list[LossOutput]:
