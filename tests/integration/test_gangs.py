@@ -123,3 +123,26 @@ async def test_a_gang_job_whose_member_is_killed_goes_on_as_if_nothing_happened(
     assert (none, once) == (0, 1)
     np.testing.assert_allclose(losses, calm_losses, rtol=1e-6)
     np.testing.assert_allclose(probe, calm_probe, atol=1e-6)
+
+
+async def test_two_gangs_too_large_to_stay_together_take_turns_moving_their_shards(tiny_model: Path) -> None:
+    """Two full fine-tunes on the same gang of two, each 7.2 MB a member under a 10 MB budget:
+    each call of one moves the other's shards out of device memory on both members and its own in."""
+    target = plexrl.Batch(
+        tokens=plexrl.Ragged.from_rows([[1, 5, 6, 7, 8, 9]] * 4, "int32"), prompt_lens_B=np.full(4, 2, np.int32)
+    )
+    adam = plexrl.AdamW(lr=1e-3)
+
+    async def train(job: plexrl.Job) -> list[float]:
+        return [(await job.optimize(target, loss="cross_entropy")).loss for _ in range(4)]
+
+    async with (
+        plexrl.local(workers=2, heartbeat_interval_s=0.5, memory_budget_bytes=BUDGET, policy="plex"),
+        plexrl.job("a", model=tiny_model, lora=None, optimizer=adam, seed=1, devices=2) as a,
+        plexrl.job("b", model=tiny_model, lora=None, optimizer=adam, seed=1, devices=2) as b,
+    ):
+        losses_a, losses_b = await asyncio.gather(train(a), train(b))
+        stats = [await a.stats(), await b.stats()]
+    assert losses_a == losses_b  # the same job twice: moving a job's shards changes nothing
+    assert losses_a[-1] < losses_a[0]
+    assert sum(s.swaps for s in stats) > 0

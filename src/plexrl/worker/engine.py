@@ -212,6 +212,7 @@ class Engine:
         for gang in self._gangs.values():
             gang.close()
         self._gangs.clear()
+        self._stores = None  # its rendezvous store stops with it
 
     def move(self, job_id: str, to: str) -> Moved:
         """Move the job's state to ``to`` (``device`` or ``host``); measured. Safe on another thread

@@ -185,7 +185,8 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
 
-    def _new_engine(self) -> CallEngine:
+    def _new_engine(self, host: str) -> CallEngine:
+        """An engine whose gangs' rendezvous store listens on ``host`` (the data plane's)."""
         if self._make_engine is not None:
             return self._make_engine()
         from plexrl.worker.engine import Engine
@@ -214,14 +215,15 @@ class Worker:
             vllm_config=vllm,
             checkpoint_root=self.config.checkpoint_root,
             trainer=trainer,
-            rendezvous_host=self.config.data_host or host_toward(self.config.coordinator),
+            rendezvous_host=host,
         )
 
     def serve(self) -> None:
         """Register, serve, and register again whenever the coordinator is lost, until stopped."""
-        engine = self._new_engine()
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # Found once: while the coordinator is unreachable (its route gone), a new engine still needs it.
         host = self.config.data_host or host_toward(self.config.coordinator)
+        engine = self._new_engine(host)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._data = DataPlane(ctx, host, self.config.credentials)
         log.info("data plane at %s", self._data.address)
         try:
@@ -236,7 +238,7 @@ class Worker:
                     self._opened.clear()
                     self._data.clear()
                     engine.close()
-                    engine = self._new_engine()
+                    engine = self._new_engine(host)
         finally:
             self._moves.shutdown(wait=True)
             self._data.close()
