@@ -37,18 +37,9 @@ import plexrl
 from plexrl.errors import JobTooLargeError
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.plan import ModelShape
-from plexrl.tasks import Task, get_task
+from plexrl.tasks import get_task, held_out_reward
 
 TOKENIZER = CharTokenizer()
-
-
-async def held_out_reward(job: plexrl.Job, task: Task, max_tokens: int) -> float:
-    """Mean reward of greedy answers on the task's held-out problems (as the demo measures it)."""
-    problems = task.eval_set()
-    out = await job.generate(
-        [TOKENIZER.encode(p.prompt) for p in problems], plexrl.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    )
-    return float(np.mean([task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]))
 
 
 async def fits(args: argparse.Namespace) -> bool:

@@ -24,18 +24,9 @@ import numpy as np
 import plexrl
 from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
-from plexrl.tasks import TASKS, Task, get_task
+from plexrl.tasks import TASKS, Task, get_task, held_out_reward
 
 TOKENIZER = CharTokenizer()
-
-
-async def held_out_reward(job: plexrl.Job, task: Task, max_tokens: int) -> float:
-    """Mean reward of greedy answers on the task's held-out problems."""
-    problems = task.eval_set()
-    out = await job.generate(
-        [TOKENIZER.encode(p.prompt) for p in problems], plexrl.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    )
-    return float(np.mean([task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]))
 
 
 async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView, log: Any) -> dict[str, Any]:

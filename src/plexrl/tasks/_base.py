@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import numpy as np
 
-from plexrl.models.tokenizer import EOS_TOKEN
+from plexrl.models.tokenizer import EOS_TOKEN, CharTokenizer
+from plexrl.types import SamplingParams
+
+if TYPE_CHECKING:
+    from plexrl.protocol.calls import Generated
 
 EVAL_SIZE = 200
 
@@ -84,3 +90,20 @@ class Task(ABC):
         """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer
         (a task whose answer is a worked solution checks only its final result)."""
         return 1.0 if completion.split(EOS_TOKEN, 1)[0].strip() == problem.answer else 0.0
+
+
+class _Generates(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Awaitable[Generated]: ...
+
+
+async def held_out_reward(
+    job: _Generates, task: Task, max_tokens: int, tokenizer: CharTokenizer | None = None
+) -> float:
+    """Mean reward of ``job``'s greedy answers on ``task``'s held-out problems (how the demo and
+    the benchmarks say a job learned)."""
+    tok = tokenizer or CharTokenizer()
+    problems = task.eval_set()
+    out = await job.generate(
+        [tok.encode(p.prompt) for p in problems], SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
+    return float(np.mean([task.score(problems[s.prompt_index], tok.decode(s.tokens)) for s in out.samples]))

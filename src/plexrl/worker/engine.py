@@ -59,7 +59,6 @@ from plexrl.worker.trainer.forward import TrainerSettings
 from plexrl.worker.trainer.full import FullWeights
 from plexrl.worker.trainer.job import Weights, WorkerJob, check_spec
 from plexrl.worker.trainer.lora import LoraWeights
-from plexrl.worker.trainer.sharded import ShardedWeights
 
 log = logging.getLogger("plexrl.worker")
 SHARED = "shared"  # the checkpoint folder of jobs without a tenant (an unauthenticated coordinator)
@@ -73,7 +72,7 @@ class _Prepared:
     base: BaseModel
     vllm: VllmSampler | None
     new_engine: bool  # ``vllm`` was started for this open (closed if the open fails)
-    weights: FullWeights | ShardedWeights | None
+    weights: FullWeights | None
 
 
 class Engine:
@@ -371,11 +370,7 @@ class Engine:
         elif self.sampler == "vllm":  # a full fine-tune job: an engine of its own, refit on sync
             vllm, new_engine = self._new_sampler(spec.model, lora=False), True
         # The hf sampler needs a copy of the weights to sample with; vLLM has its own.
-        weights: FullWeights | ShardedWeights | None = None
-        if spec.lora is None and gang is not None:  # a full fine-tune on several workers: FSDP2
-            weights = ShardedWeights(base, gang, sampler_copy=vllm is None)
-        elif spec.lora is None:
-            weights = FullWeights(base, sampler_copy=vllm is None)
+        weights = FullWeights(base, sampler_copy=vllm is None, gang=gang) if spec.lora is None else None
         return _Prepared(base, vllm, new_engine, weights)
 
     def _enter(self, job_id: str, call: Open, prepared: _Prepared, gang: Gang | None) -> Opened:

@@ -13,18 +13,23 @@ from typing import Any
 
 from torch import nn
 
+from plexrl.worker.gang import Gang
 from plexrl.worker.models import BaseModel
+from plexrl.worker.trainer.sharded import shard
 
 
 class FullWeights:
     kind = "full"
-    sharded = False
 
-    def __init__(self, base: BaseModel, sampler_copy: bool = True) -> None:
-        self.trainer: Any = base.copy().requires_grad_(True)
+    def __init__(self, base: BaseModel, sampler_copy: bool = True, gang: Gang | None = None) -> None:
+        causal = base.copy().requires_grad_(True)
+        # On a gang (a job on several workers), sharded over its members with FSDP2 (sharded.py).
+        self.sharded = gang is not None
+        self.trainer: Any = shard(causal, gang) if gang is not None else causal
         self.sampler: Any = base.copy(base.dtype).requires_grad_(False).eval() if sampler_copy else None
-        # named_parameters() lists tied weights (embeddings / lm_head) once, under one name.
-        self.trainer_params: dict[str, nn.Parameter] = dict(self.trainer.named_parameters())
+        # named_parameters() lists tied weights (embeddings / lm_head) once, under one name; a
+        # sharded copy's are its shards under the same names (checkpoints move either way).
+        self.trainer_params: dict[str, nn.Parameter] = dict(causal.named_parameters())
         self.sampler_params: dict[str, nn.Parameter] = (
             {} if self.sampler is None else dict(self.sampler.named_parameters())
         )

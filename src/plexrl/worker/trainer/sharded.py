@@ -1,4 +1,4 @@
-"""Full fine-tune weights sharded over a gang with FSDP2: each member holds 1/N of the trainer's
+"""A full fine-tune's trainer copy sharded over a gang with FSDP2 (``FullWeights(..., gang=)``): each member holds 1/N of the trainer's
 float32 masters, their gradients and (so) AdamW's moments.
 
 Each decoder layer is a ``fully_shard`` unit (its weights gathered for its forward and again
@@ -21,41 +21,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from plexrl.worker.gang import Gang
-from plexrl.worker.models import BaseModel
 from plexrl.worker.trainer.forward import ShardedRoot
 
 
-class ShardedWeights:
-    kind = "full"
-    sharded = True
-
-    def __init__(self, base: BaseModel, gang: Gang, sampler_copy: bool = True) -> None:
-        causal = base.copy().requires_grad_(True)
-        mesh = gang.mesh()
-        for layer in causal.get_decoder().layers:
-            fully_shard(layer, mesh=mesh)
-        self.trainer: Any = fully_shard(ShardedRoot(causal), mesh=mesh)
-        self.world = gang.world
-        self.sampler: Any = base.copy(base.dtype).requires_grad_(False).eval() if sampler_copy else None
-        # Same names as FullWeights' (the causal LM's): checkpoints and snapshots move between the two.
-        self.trainer_params: dict[str, nn.Parameter] = dict(causal.named_parameters())
-        self.sampler_params: dict[str, nn.Parameter] = (
-            {} if self.sampler is None else dict(self.sampler.named_parameters())
-        )
-        self.total_params = sum(p.numel() for p in self.trainer_params.values())
-
-    def trainer_model(self, train: bool) -> nn.Module:
-        return self.trainer.train(train)
-
-    def sampler_model(self) -> nn.Module:
-        if self.sampler is None:
-            raise RuntimeError("this job samples on vLLM: it has no hf sampler copy")
-        return self.sampler.eval()
-
-    def adapter_config(self) -> Any:
-        raise TypeError("full fine-tune jobs have no adapter")
-
-    def close(self) -> None:
-        self.trainer = self.sampler = None
-        self.trainer_params = {}
-        self.sampler_params = {}
+def shard(causal: nn.Module, gang: Gang) -> Any:
+    """``causal`` sharded in place over ``gang``: each decoder layer a unit, and the root around
+    it (what the trainer calls); its parameters become this member's shards (DTensors), under
+    the same names."""
+    mesh = gang.mesh()
+    for layer in causal.get_decoder().layers:  # type: ignore[operator]
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(ShardedRoot(causal), mesh=mesh)
