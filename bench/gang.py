@@ -2,7 +2,7 @@
 pinned to one core each (``plexrl.local(workers=2, cpus_per_worker=1)``; the coordinator and
 this script run beside them, unpinned).
 
-    python bench/gang.py [--part fits|dp|all] [--repeats 3] [--steps 40]
+    python bench/gang.py [--part fits|dp|libra|all] [--repeats 3] [--steps 40]
 
 - ``fits``: a full fine-tune of the shipped model (``plexrl.models.TINY_MODEL``) whose state
   does not fit one worker's ``--memory-budget`` (float32 masters, gradients and two AdamW
@@ -16,8 +16,15 @@ this script run beside them, unpinned).
   first step of each excluded as warm-up). ``dp2_step_speedup`` is the median over repetitions
   of one member's time over two's; its limit is 2 (two cores, nothing else on them).
 
-The last lines are ``gang_full_ft_fits=``, ``dp2_step_speedup=``. Both workers sample with the
-default sampler (vLLM where installed).
+- ``libra``: the real part of ``bench/libra.py`` (its defaults, ``--repeats``), whose libra mode
+  now moves workers both ways: the home lent to rollout while its jobs roll out, the rollout
+  worker joining a job's training (data parallel, ``scheduler/elastic.py``) while no turn waits.
+  ``throughput_gain_real`` is its trained samples per second over the stronger of its static and
+  colocated baselines, repetition by repetition (mean, worst beside it; its limits are printed
+  above it).
+
+The last lines are ``gang_full_ft_fits=``, ``dp2_step_speedup=``, ``throughput_gain_real=``. The
+workers sample with the default sampler (vLLM where installed; the libra part always uses vLLM).
 """
 
 from __future__ import annotations
@@ -120,18 +127,31 @@ async def dp(args: argparse.Namespace) -> float:
     return speedup
 
 
-async def main(args: argparse.Namespace) -> None:
-    fit = await fits(args) if args.part in ("fits", "all") else None
-    speedup = await dp(args) if args.part in ("dp", "all") else None
+def libra_real(args: argparse.Namespace) -> list[float]:
+    """bench/libra.py's real part: libra's throughput gain over the stronger baseline, per repetition."""
+    import libra  # bench/, beside this script
+
+    print("libra: bench/libra.py's real part (static, libra with roles moving both ways, colocated)", flush=True)
+    gain, _ = libra.real_part(libra.parse(["--part", "real", "--repeats", str(args.repeats)]))
+    return gain
+
+
+def main(args: argparse.Namespace) -> None:
+    fit = asyncio.run(fits(args)) if args.part in ("fits", "all") else None
+    speedup = asyncio.run(dp(args)) if args.part in ("dp", "all") else None
+    gain = libra_real(args) if args.part in ("libra", "all") else None
     if fit is not None:
         print(f"gang_full_ft_fits={int(fit)}")
     if speedup is not None:
         print(f"dp2_step_speedup={speedup:.2f}")
+    if gain is not None:
+        print(f"throughput_gain_real={statistics.mean(gain):.2f} (worst {min(gain):.2f}; over the stronger of static "
+              "and colocated)")  # fmt: skip
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["fits", "dp", "all"], default="all")
+    p.add_argument("--part", choices=["fits", "dp", "libra", "all"], default="all")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=40, help="fits: GRPO steps of the full fine-tune")
@@ -149,4 +169,4 @@ def parse() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    main(parse())

@@ -50,8 +50,10 @@ sync_weights). Three modes, each on a fresh cluster, ``--repeats`` repetitions a
 
 - static (the issue's baseline): worker 0 ``--role train`` holds every job's home, worker 1
   ``--role rollout`` takes every turn (pooled jobs, arrival order: one bucket);
-- libra: the same, with ``--elastic``: worker 0 lends itself to rollout while no job of its has
-  training to do, and is taken back by the next ``forward_backward`` (buckets need more rollout
+- libra: the same, with ``--elastic``, both ways: worker 0 lends itself to rollout while no job
+  of its has training to do, and is taken back by the next ``forward_backward``; worker 1, idle
+  while no turn waits, joins a job's training at an optimizer-step boundary as a data-parallel
+  member, and leaves it at the next boundary past that training (buckets need more rollout
   workers than two cores give: here only the elastic roles act);
 - colocated (a baseline the issue does not name): both workers ``both``, a job's home on each
   (fifo spreads them), each job rolling out and training on its own worker.
@@ -83,6 +85,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -168,6 +171,7 @@ class RealRep:
     span_s: float
     rollout_busy_s: float  # the rollout worker's (worker 1's) busy seconds
     moves: int  # role moves
+    joins: int  # times the rollout worker joined a job's training
     cpu_s: float  # core-seconds of every process: the workers, their engines, the coordinator, this script
     workers_cpu_s: float  # of them, the workers' (and their engines')
 
@@ -200,9 +204,10 @@ async def real_mode(mode: str, args: Any) -> list[RealRep]:
             workers_cpu = sum(marlaas.cpu_seconds(w.pid) for w in after.values()) - cpu_before[1]
             busy = after["local-1"].busy_s - before["local-1"].busy_s
             moves = sum(after[n].role_moves - before[n].role_moves for n in after)
-            reps.append(RealRep(jobs, span, busy, moves, cpu, workers_cpu))
+            joins = after["local-1"].joins - before["local-1"].joins
+            reps.append(RealRep(jobs, span, busy, moves, joins, cpu, workers_cpu))
             print(f"  {mode:9s} repetition {rep + 1}: {span:6.1f} s, {reps[-1].samples_per_s:5.2f} samples/s, "
-                  f"time to last step {reps[-1].to_last_step_s:5.1f} s, {moves} role moves, {cpu / span:.2f} cores "
+                  f"time to last step {reps[-1].to_last_step_s:5.1f} s, {moves} role moves, {joins} joins, {cpu / span:.2f} cores "
                   f"busy ({(cpu - workers_cpu) / span:.2f} of them the coordinator's and the clients')", flush=True)  # fmt: skip
     return reps
 
@@ -212,7 +217,8 @@ def real_part(args: Any) -> tuple[list[float], list[float]]:
     rows = {mode: asyncio.run(real_mode(mode, args)) for mode in REAL_MODES}
     for mode, reps in rows.items():
         print(f"  {mode:9s}: {spread([r.samples_per_s for r in reps])} samples/s, time to last step "
-              f"{spread([r.to_last_step_s for r in reps], 1)} s, role moves {spread([r.moves for r in reps], 0)}")  # fmt: skip
+              f"{spread([r.to_last_step_s for r in reps], 1)} s, role moves {spread([r.moves for r in reps], 0)}, "
+              f"joins {spread([r.joins for r in reps], 0)}")  # fmt: skip
     digests = {
         mode: [[j.run.digest.hexdigest() for j in r.jobs if j.run is not None] for r in reps]
         for mode, reps in rows.items()
@@ -236,7 +242,7 @@ def real_part(args: Any) -> tuple[list[float], list[float]]:
           f"both cores)")  # fmt: skip
     (Path(args.out) / "libra_real.json").write_text(json.dumps({
         mode: [{"span_s": r.span_s, "samples_per_s": r.samples_per_s, "to_last_step_s": r.to_last_step_s,
-                "moves": r.moves, "rollout_busy_s": r.rollout_busy_s, "cpu_s": r.cpu_s, "workers_cpu_s": r.workers_cpu_s,
+                "moves": r.moves, "joins": r.joins, "rollout_busy_s": r.rollout_busy_s, "cpu_s": r.cpu_s, "workers_cpu_s": r.workers_cpu_s,
                 "jobs": [{"name": j.name, "steps_done_s": j.steps_done_s, "rewards": j.rewards} for j in r.jobs]}
                for r in reps]
         for mode, reps in rows.items()
@@ -262,9 +268,11 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 
 def jobs(args: Any) -> list[JobModel]:
+    """The simulated jobs: recoverable (their snapshots kept), so that in libra idle rollout workers
+    may join their training (in every mode; only libra's rebalancer acts on it)."""
     llm = QWEN3[args.model]
     return [
-        pooled_agent_job(
+        dataclasses.replace(pooled_agent_job(
             f"agent{i}",
             llm,
             H200,
@@ -277,9 +285,9 @@ def jobs(args: Any) -> list[JobModel]:
             difficulty_sigma=args.hardness,
             lora_rank=8,
             arrival_s=5.0 * i,
-        )
+        ), recoverable=True)
         for i in range(args.jobs)
-    ]
+    ]  # fmt: skip
 
 
 def simulate(mode: str, args: Any, seed: int) -> SimResult:
@@ -370,7 +378,8 @@ def sim_report(rows: dict[str, list[dict[str, float]]], args: Any) -> tuple[list
     return gain, speedup
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's arguments (``argv``: the command line's by default; bench/gang.py passes its own)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["both", "real", "sim"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
@@ -416,8 +425,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="(a) vLLM: sequences decoded at once")
     parser.add_argument("--real-move-prior", type=float, default=0.1, help="(a) a role move's cost before measured")
     parser.add_argument("--out", default="bench-out/libra")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> None:
+    args = parse()
     finals: list[str] = []
     if args.part in ("real", "both"):
         print(f"(a) real, vLLM: {args.real_jobs} jobs (sum and the search agent, search latency Lognormal("

@@ -351,7 +351,6 @@ class Book:
             msg, worker_id = answer, rec.gang.members[0]
             if isinstance(msg, m.ErrorReply) and msg.code == GangBrokenError.code and rec.job_id in self._jobs:
                 # Its members may differ now: rebuilt from its snapshot (the call runs again) or lost.
-                self._jobs[rec.job_id].gang_epoch += 1  # they meet in a new process group
                 log.warning("job %s: call %d broke its gang: %s", rec.job_id, rec.call_id, msg.message)
                 self._apply(ev.GangBroken(rec.job_id, msg.message))
                 return
@@ -391,7 +390,13 @@ class Book:
         if rec.dispatched_at:
             self._reports.call_span(worker_id, rec, bool(error), job.owner if job is not None else "")
         self._apply(ev.CallFinished(rec.call_id, error=error))  # a failed open or restore fails the job's calls
-        if isinstance(rec.call, calls.Restore) and job is not None and not error:  # (failed: JobLost)
+        if rec.join and job is not None and not error:
+            helpers = rec.gang.members[1:] if rec.gang is not None else ()
+            log.info("workers %s join job %s's training", ", ".join(helpers), job.job_id)
+            for helper in helpers:
+                if helper in self._workers:
+                    self._workers[helper].joins += 1
+        elif isinstance(rec.call, calls.Restore) and job is not None and not error:  # (failed: JobLost)
             job.recoveries += 1
             log.warning("job %s recovered on worker %s (recovery %d)", job.job_id, worker_id, job.recoveries)
         opening_failed = isinstance(rec.call, calls.Open) and isinstance(msg, m.ErrorReply)
@@ -484,7 +489,9 @@ class Book:
                 self._call_of[(rec.client, rec.client_rid)] = call_id
             return rec
         assert own.kind == "restore", own
-        rec = self._calls[call_id] = records.restore(job, call_id, self._scheduler.view(job.job_id).pooled, self._now())
+        # A join's restore gives the helpers the state the home has: its weights were exported already.
+        export = self._scheduler.view(job.job_id).pooled and not own.join
+        rec = self._calls[call_id] = records.restore(job, call_id, export, self._now(), join=own.join)
         return rec
 
     def _gang_call(self, job_id: str, members: tuple[str, ...], rank: int) -> m.GangCall:
@@ -526,6 +533,8 @@ class Book:
                 execute = m.Execute(rid=call_id, job_id=rec.job_id, call=call, priority=priority, exclusive=exclusive)
                 members = self._scheduler.members(call_id)
                 rec.gang = records.GangWait(members) if members else None
+                if members and isinstance(call, calls.Restore) and job is not None:
+                    job.gang_epoch += 1  # a job restored on a gang (rebuilt, or widened) meets in a new process group
                 for rank, member in enumerate(members or (worker_id,)):
                     gang = self._gang_call(rec.job_id, members, rank) if members else None
                     self._send_worker(member, msgspec.structs.replace(execute, gang=gang))

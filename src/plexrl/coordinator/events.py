@@ -243,11 +243,13 @@ class OwnCall:
     sends from its record of the job. ``restore``: rebuild the job on its new home from its
     snapshot and the calls since. With ``follows``, a disaggregated job's barrier's part on its
     sampler worker (``open``: a replica of its sampler; ``set_weights``: the weights the barrier
-    exported; ``close``): the caller of ``follows`` hears once it is done."""
+    exported; ``close``): the caller of ``follows`` hears once it is done. With ``join``, a restore
+    on the members of a job whose training rollout workers joined (``scheduler/elastic.py``)."""
 
     job_id: str
     kind: CallKind
     follows: int = 0  # the call it carries on (0: none)
+    join: bool = False  # a restore on the members of a job rollout workers joined (not a recovery)
 
 
 @dataclass(frozen=True, slots=True)

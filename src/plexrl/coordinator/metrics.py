@@ -81,6 +81,7 @@ WORKER_METRICS: list[tuple[str, bool, str, Callable[[Any], float]]] = [
     ("plexrl_worker_memory_budget_bytes", False, "A worker's device budget for jobs' state",
      lambda w: w.memory_budget_bytes),
     ("plexrl_worker_role_moves", True, "A worker's moves between training and rollout", lambda w: w.role_moves),
+    ("plexrl_worker_joins", True, "Times a rollout worker joined a job's training", lambda w: w.joins),
 ]  # fmt: skip
 JOB_METRICS: list[tuple[str, bool, str, Callable[[Any], float]]] = [
     ("plexrl_job_accelerator_seconds", True, "Device-seconds charged to a job", lambda j: j.accelerator_s),

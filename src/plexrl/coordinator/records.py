@@ -36,6 +36,7 @@ class WorkerRecord:
     calls_done: int = 0
     progress: int = 0  # its engine's progress count, from its heartbeats
     role_moves: int = 0
+    joins: int = 0  # times it joined a job's training from rollout (elastic data parallelism)
     progress_at: float = 0.0  # when that count last moved, or the worker was last idle
 
 
@@ -101,6 +102,7 @@ class CallRecord:
     submitted_at: float = 0.0  # when it was submitted (the coordinator's clock), for queue and run times
     dispatched_at: float = 0.0
     gang: GangWait | None = None  # a gang's call: its members' replies so far
+    join: bool = False  # the restore that widens a job's training to rollout workers (``OwnCall.join``)
 
 
 @dataclass
@@ -224,12 +226,13 @@ def follow_on(job: JobRecord, rec: CallRecord, done: m.CallDone, call_id: int, o
     return dataclasses.replace(rec, call_id=call_id, sent=sent, held=held, submitted_at=now, dispatched_at=0.0)
 
 
-def restore(job: JobRecord, call_id: int, pooled: bool, now: float) -> CallRecord:
-    """The scheduler's ``restore`` of ``job`` on a new home: from its snapshot and the calls since.
-    A pooled job's rollout workers fetch its weights from the new home from then on."""
+def restore(job: JobRecord, call_id: int, export: bool, now: float, join: bool = False) -> CallRecord:
+    """The scheduler's ``restore`` of ``job`` on a new home (``export``: a pooled job's, whose
+    rollout workers fetch its weights from there from then on), or on the members of its widened
+    gang (``join``): from its snapshot and the calls since."""
     assert job.open is not None
-    call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay), export=pooled)
-    return CallRecord(call_id, job.job_id, b"", 0, call, submitted_at=now)
+    call = calls.Restore(open=job.open, snapshot=job.snapshot, replay=list(job.replay), export=export)
+    return CallRecord(call_id, job.job_id, b"", 0, call, submitted_at=now, join=join)
 
 
 def replica_calls(job: JobRecord, open_replica: bool, weights: bool) -> list[calls.Call]:

@@ -102,6 +102,7 @@ class Reports:
                 role=roles[w.worker_id].role,
                 bucket=roles[w.worker_id].bucket,
                 role_moves=w.role_moves,
+                joins=w.joins,
             )
             for w in self._workers.values()
         ]

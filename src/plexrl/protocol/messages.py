@@ -182,6 +182,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     role: Role = "both"  # what it serves now (a train worker the coordinator lent to rollout says "rollout")
     bucket: int = 0
     role_moves: int = 0  # times the coordinator moved it between training and rollout
+    joins: int = 0  # times it joined a job's training from rollout (elastic data parallelism)
 
 
 class JobInfo(msgspec.Struct, frozen=True):

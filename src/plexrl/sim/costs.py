@@ -135,6 +135,7 @@ def _lora_training(llm: Llm, gpu: Gpu, lora_rank: int) -> dict[str, Any]:
         "optim_step_s": 16 * llm.lora_params(lora_rank) / bandwidth,  # AdamW: read/write fp32 state
         "sync_s": 4 * llm.lora_params(lora_rank) / bandwidth,  # adapter copy into the sampler
         "state_bytes": int(16 * llm.lora_params(lora_rank)),  # fp32 adapter, gradients, two moments
+        "grad_bytes": int(4 * llm.lora_params(lora_rank)),  # fp32 gradients
         "base": llm.name,
     }
 
@@ -205,6 +206,20 @@ def ring_s(payload_bytes: float, devices: int, gpu: Gpu = H200) -> float:
     if devices <= 1:
         return 0.0
     return payload_bytes * (devices - 1) / devices / (gpu.link_bytes_per_s * gpu.link_efficiency)
+
+
+def data_parallel_s(kind: str, seconds: float, grad_bytes: float, members: int, gpu: Gpu = H200) -> float:
+    """A call of a one-device job whose training ``members`` workers share (rollout workers joined
+    it: ``scheduler/elastic.py``), ``seconds`` alone: a forward_backward's rows split evenly; an
+    optim_step after a ring all-reduce of the gradients (a reduce-scatter and an all-gather); the
+    rest as on one."""
+    if members <= 1:
+        return seconds
+    if kind == "forward_backward":
+        return seconds / members
+    if kind == "optim_step":
+        return seconds + 2 * ring_s(grad_bytes, members, gpu)
+    return seconds
 
 
 def group_costs(llm: Llm, devices: int, gpu: Gpu = H200, *, rollouts: int = 64, context: float = 2048.0,

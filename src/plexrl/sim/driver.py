@@ -38,6 +38,7 @@ from plexrl.coordinator import events as ev
 from plexrl.coordinator import scheduler as sch
 from plexrl.names import Role
 from plexrl.plan import served_bytes
+from plexrl.sim.costs import data_parallel_s
 from plexrl.sim.workload import Fork, JobModel, Step, Wait, Work, job_rngs, program
 from plexrl.trace import Span
 
@@ -270,6 +271,8 @@ class Simulation:
                 case ev.Place(job_id, worker_id, _, members):
                     job = self._jobs[job_id]
                     job.result.worker, job.result.started_s, job.result.members = worker_id, self.now, members
+                    if job.model.recoverable:  # as its open's result tells the coordinator
+                        self._handle(ev.JobSized(job_id, job.model.state_bytes, snapshots=True))
                     self._advance(job_id, job.runner)
                 case ev.Replicate(worker_id, job_id, _, weights, weight_bytes) if weights:
                     seconds = weight_bytes / self.swap_bytes_per_s
@@ -350,8 +353,11 @@ class Simulation:
         self._settle(device)
         if device.first_s is None:
             device.first_s = self.now
+        model = self._jobs[job_id].model
+        members = self.scheduler.members(call_id)[1:]  # a gang's call: held by it on every member
         left = float(work.steps) if work.kind == "generate" else work.seconds
-        members = self._jobs[job_id].result.members[1:]
+        if members and model.devices == 1:  # rollout workers joined its training: data parallel
+            left = data_parallel_s(work.kind, work.seconds, model.grad_bytes, 1 + len(members))
         for member in members:  # held by the gang: nothing else runs there until the call ends
             other = self._devices[member]
             other.first_s = self.now if other.first_s is None else other.first_s

@@ -99,6 +99,10 @@ class JobModel:
     )
     devices: int = 1  # a worker group of this many (FSDP trainer, TP sampler): its costs above are the group's,
     # its ``state_bytes`` each member's shard (``sim/costs.py``: ``group_job``)
+    # Its snapshots are kept (the coordinator's --snapshot-max-bytes holds them): it survives a lost worker,
+    # and idle rollout workers may join its training (``scheduler/elastic.py``; ``costs.data_parallel_s``).
+    recoverable: bool = False
+    grad_bytes: int = 0  # its trained parameters' gradients: what a data-parallel optim_step all-reduces
 
     def max_turns_tokens(self) -> int:
         """A pooled trajectory's token budget beyond its prompt: its turns at the length p99."""

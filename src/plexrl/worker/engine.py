@@ -228,12 +228,12 @@ class Engine:
         """Run ``call`` of job ``job_id``; ``gang``: this worker's part in a call of a job on
         several workers (every member runs it; they meet in collectives)."""
         with self._lock:
+            if isinstance(call, Restore):  # the job rebuilt (maybe on this worker): what it had here goes
+                self._drop(job_id)
             if gang is None:
                 if job_id in self._gangs:  # the job narrowed to this worker alone: its group goes
                     self._gangs.pop(job_id).close()
                 return self._execute(job_id, call, None)
-            if isinstance(call, Restore):  # a gang rebuilt (maybe on this worker): what it had here goes
-                self._drop(job_id)
             member = self._gang(job_id, gang)
             try:
                 return self._execute(job_id, call, member)

@@ -41,7 +41,7 @@ class Dispatcher:
         entries = self._entries(worker, now)
         gate = self.engines.gate(worker, entries, now)
         for job, startable in entries:
-            if job.members:
+            if job.members and (not job.elastic or startable[0].lane == TRAINER):
                 actions += self.gangs.dispatch(job, startable, now)
             elif not worker.gang:  # a group claiming the worker runs its call here, or waits for it to drain
                 actions += self._dispatch_job(worker, job, startable, gate, now)

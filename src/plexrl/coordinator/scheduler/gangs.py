@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plexrl.coordinator import groups
 from plexrl.coordinator import residency as rs
-from plexrl.coordinator.events import Action, Dispatch, Fail, Place
+from plexrl.coordinator.events import Action, Dispatch, Fail, Place, Release
 from plexrl.coordinator.residency import Residency
 from plexrl.coordinator.scheduler.state import (
     MAKES_STATE,
@@ -168,14 +168,38 @@ class Gangs:
                     self.t.enqueue(job, self.t.calls[call_id])
         survivors = [self.t.registered[m] for m in job.members if m in self.t.registered]
         for w in survivors:
-            if job.state.tier != rs.HOST:  # on the device, or on its way in or out: counted there
-                w.used_bytes -= job.state.state_bytes
-            if w.swapping is not None and w.swapping.job_id == job.job_id:
-                w.swapping = None  # its SwapDone, when it comes, finds no swap to settle
-            w.jobs.discard(job.job_id)
-            self.t.unfix(w, job)
-            if w.gang == job.job_id:
-                w.gang = ""
+            self.off(w, job)
         job.members = ()
+        self.t.widened.discard(job.job_id)
         job.state.tier = rs.HOST
         return [w.worker_id for w in survivors]
+
+    def narrow(self, job: ScheduledJob) -> tuple[list[Action], list[str]]:
+        """The rollout workers helping train one-device ``job`` (``scheduler/elastic.py``) leave it:
+        each closes its copy (``Release``) and takes turns again. Returns the actions and the
+        workers whose dispatch may change (its home and its helpers)."""
+        helpers = [self.t.registered[m] for m in job.members[1:] if m in self.t.registered]
+        for w in helpers:
+            self.off(w, job)
+        home = self.t.registered.get(job.home)
+        if home is not None and home.gang == job.job_id:  # its claim for a call that now runs there alone
+            home.gang = ""
+        touched = list(job.members)
+        job.members = ()
+        self.t.widened.discard(job.job_id)
+        return [Release(w.worker_id, job.job_id) for w in helpers], touched
+
+    def off(self, w: ScheduledWorker, job: ScheduledJob) -> None:
+        """Take ``job`` off its member ``w``: its share there is free, and its slots and claim; a
+        rollout worker that helped train it (``Elastic``) takes turns again."""
+        if job.state.tier != rs.HOST:  # on the device, or on its way in or out: counted there
+            w.used_bytes -= job.state.state_bytes
+        if w.swapping is not None and w.swapping.job_id == job.job_id:
+            w.swapping = None  # its SwapDone, when it comes, finds no swap to settle
+        w.jobs.discard(job.job_id)
+        self.t.unfix(w, job)
+        if w.gang == job.job_id:
+            w.gang = ""
+        if w.lent_to == job.job_id:
+            w.lent_to = ""
+            self.t.roles_changed(w)

@@ -157,6 +157,13 @@ class Pool:
         ``Release`` frees them on the worker."""
         return self._drop(worker_id, job_id, self.t.jobs.get(job_id))
 
+    def hand_over(self, worker: ScheduledWorker, job: ScheduledJob) -> None:
+        """``worker`` joins ``job``'s training: its replica of the job is forgotten here with no
+        ``Release`` (the restore that follows replaces it there)."""
+        replica = self.t.replicas.get(worker.worker_id, {}).pop(job.job_id, None)
+        if replica is not None:
+            worker.used_bytes -= replica.held_bytes
+
     def releases(self, job: ScheduledJob) -> list[Release]:
         """What workers hold of a job being forgotten (``job`` is out of the tables already): its
         replicas on rollout workers, and if it was lost after it opened, what its surviving workers

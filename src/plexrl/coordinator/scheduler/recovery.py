@@ -69,6 +69,10 @@ class Recovery:
                 continue  # lost already (its restore failed): nothing of it to recover
             lost = f"worker {worker_id} holding job {job_id}'s state was lost ({reason})"
             opening = any(self.t.calls[c].kind == "open" for c in job.unfinished)  # no state exists yet
+            if job.elastic and job.home != worker_id and job.home in self.t.registered:
+                actions += self.rebuild_at_home(job, now)  # a worker helping it train
+                survivors.add(job.home)
+                continue
             if job.members:  # a group lives or dies as a unit: its other shards are of no use alone
                 survivors.update(self.gangs.disband(job, now, requeue=job.recoverable or opening))
                 job.home = job.sampler = worker_id
@@ -92,6 +96,8 @@ class Recovery:
             return []
         leader = job.home
         broke = f"job {job_id}'s gang broke ({reason})"
+        if job.elastic:  # its home holds it still: rebuilt there
+            return self.rebuild_at_home(job, now) + self._dispatch({leader}, now)
         survivors = self.gangs.disband(job, now, requeue=job.recoverable)
         job.home = job.sampler = leader
         if job.recoverable:
@@ -100,6 +106,21 @@ class Recovery:
             actions = self.lose_job(job, GangBrokenError(f"{broke}; {LOST}"), now)
         homes = {a.worker_id for a in actions if isinstance(a, Recover) and a.worker_id} | set(survivors)
         return actions + self._dispatch(homes, now)
+
+    def rebuild_at_home(self, job: ScheduledJob, now: float) -> list[Action]:
+        """A job rollout workers helped train (``Elastic``) lost one, or its gang broke: the
+        helpers leave, its calls running on them go back to its queue, and a restore from its
+        snapshot and the calls since, on its home, rebuilds the state of its last finished call
+        (the step's gradients were on every member)."""
+        for call_id in sorted(job.running[TRAINER]):
+            self.t.free(call_id, job.job_id, now)
+            job.running[TRAINER].discard(call_id)
+            self.t.enqueue(job, self.t.calls[call_id])
+        released, _ = self.gangs.narrow(job)
+        job.rebuilding = True
+        restore = self._restores(job, now)
+        self.t.homeless.pop(job.job_id, None)
+        return [*released, Recover(job.job_id, job.home, restore=restore)]
 
     def _recover(self, job: ScheduledJob, lost_worker: str, lost: str, now: float) -> list[Action]:
         """A job whose worker was lost lives on: its running calls are queued again, behind a
@@ -167,6 +188,8 @@ class Recovery:
         job.lost = error
         self.t.homeless.pop(job.job_id, None)
         actions: list[Action] = []
+        if job.elastic:  # the rollout workers helping train it take turns again
+            actions += self.gangs.narrow(job)[0]
         for call_id in sorted(job.unfinished):
             self.t.calls.pop(call_id, None)
             self.t.own.pop(call_id, None)
@@ -197,22 +220,29 @@ class Recovery:
     def follow_on(self, done: ScheduledCall, now: float) -> None:
         """A disaggregated job's barrier ended well on its home: its sampler worker does its part next,
         in the barrier's place (nothing of the job passes it)."""
-        self._queue_own(self.t.jobs[done.job_id], FOLLOW_ON[done.kind], now, after=done)
+        self.queue_own(self.t.jobs[done.job_id], FOLLOW_ON[done.kind], now, after=done)
 
     def _restores(self, job: ScheduledJob, now: float) -> bool:
         """Queue a ``restore`` ahead of the re-homed job's calls, unless one is pending or it never
         opened (its ``open`` makes it): whether it did."""
-        if {self.t.calls[c].kind for c in job.unfinished} & MAKES_STATE:
+        pending = [c for c in job.unfinished if self.t.calls[c].kind in MAKES_STATE]
+        for c in pending:  # a join's restore (its helpers gone) is the job's recovery now
+            if c in self.t.own and self.t.own[c].join:
+                self.t.own[c] = replace(self.t.own[c], join=False)
+        if pending:
             return False
-        self._queue_own(job, "restore", now)
+        self.queue_own(job, "restore", now)
         return True
 
-    def _queue_own(self, job: ScheduledJob, kind: CallKind, now: float, after: ScheduledCall | None = None) -> None:
+    def queue_own(
+        self, job: ScheduledJob, kind: CallKind, now: float, after: ScheduledCall | None = None, join: bool = False
+    ) -> None:
         """Submit a call of the scheduler's own for ``job``: ahead of its other calls, or in the place
-        of the call ``after`` (just done) on its sampler worker."""
+        of the call ``after`` (just done) on its sampler worker (``join``: a restore on the members
+        of a job rollout workers joined, ``Elastic``)."""
         assert job.lost is None, f"no call of its own for lost job {job.job_id}"
         call_id = next(self.t.own_ids)
-        self.t.own[call_id] = OwnCall(job.job_id, kind, follows=after.call_id if after is not None else 0)
+        self.t.own[call_id] = OwnCall(job.job_id, kind, follows=after.call_id if after is not None else 0, join=join)
         call = self.calls.new(call_id, job.job_id, kind, front=after is None)
         if after is not None:
             call = replace(call, seq=after.seq, lane=SAMPLER)

@@ -29,6 +29,7 @@ from plexrl.coordinator.rebalance import Rebalancer
 from plexrl.coordinator.residency import Residency
 from plexrl.coordinator.scheduler.calls import Calls
 from plexrl.coordinator.scheduler.dispatch import Dispatcher
+from plexrl.coordinator.scheduler.elastic import Elastic
 from plexrl.coordinator.scheduler.engines import Engines
 from plexrl.coordinator.scheduler.gangs import Gangs
 from plexrl.coordinator.scheduler.placement import Placement
@@ -72,6 +73,7 @@ class Scheduler:
         self.calls = Calls(t, self.pool)
         self.dispatcher = Dispatcher(t, self.engines, self.swaps, self.gangs, self.pool)
         self.recovery = Recovery(t, self.calls, self.dispatcher, self.placement, self.gangs, self.pool)
+        self.elastic = Elastic(t, self.pool, self.gangs, self.recovery)
 
     # -- queries (for the server, status, accounting and the rebalancer) --------------------------
 
@@ -110,6 +112,19 @@ class Scheduler:
 
     def workers(self) -> list[ScheduledWorker]:
         return self.t.workers()
+
+    def worker(self, worker_id: str) -> ScheduledWorker:
+        """The registered worker (KeyError: none by that id)."""
+        return self.t.registered[worker_id]
+
+    def joinable(self, job_id: str) -> bool:
+        """Rollout workers may join the job's training now (``Elastic.joinable``)."""
+        job = self.t.jobs.get(job_id)
+        return job is not None and self.elastic.joinable(job)
+
+    def helpers(self, job_id: str) -> list[ScheduledWorker]:
+        """The rollout workers that could join the job's training now (``Elastic.helpers``)."""
+        return self.elastic.helpers(self.t.jobs[job_id])
 
     def view(self, job_id: str) -> JobView:
         """The job as the scheduler holds it (KeyError: no such job)."""
@@ -164,6 +179,7 @@ class Scheduler:
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for: its own step's, then whatever the workers it touched
         can start now (dispatch looks only there)."""
+        trained = self._trained_job(event)
         match event:  # the frequent events first
             case CallSubmitted():
                 actions, touched = self._on_call_submitted(event, now)
@@ -199,10 +215,42 @@ class Scheduler:
                 actions, touched = self._on_tick(now), []
             case CallCancelled():
                 actions, touched = [], self._on_call_cancelled(event)
+        if self.t.widened or (trained and self.rebalancer is not None):
+            elastic, widened = self._elastic(trained, now)
+            actions, touched = actions + elastic, touched + widened
         actions += self._dispatch(touched, now)
         if self.t.moving_workers:
             actions += self.pool.moves_due()
         return actions
+
+    def _trained_job(self, event: Event) -> list[str]:
+        """The pooled jobs whose training ``event`` may bring to a step boundary rollout workers
+        could join it at: a trainer call's job (submitted or done), or all on a tick."""
+        if isinstance(event, Tick):
+            return sorted(self.t.pooled)
+        call = self.t.calls.get(event.call_id) if isinstance(event, CallFinished) else None
+        job_id = event.job_id if isinstance(event, CallSubmitted) else call.job_id if call is not None else ""
+        kind = event.kind if isinstance(event, CallSubmitted) else call.kind if call is not None else "generate"
+        return [job_id] if job_id in self.t.pooled and kind != "generate" else []
+
+    def _elastic(self, trained: list[str], now: float) -> Step:
+        """Libra's other direction (``scheduler/elastic.py``): widened jobs whose helpers are due
+        leave narrow, then idle rollout workers join the training of ``trained`` where it pays."""
+        actions: list[Action] = []
+        touched: list[str] = []
+        turns_wait: bool | None = None
+        for job_id in sorted(self.t.widened):
+            job = self.t.jobs[job_id]
+            if turns_wait is None and not job.queues[TRAINER]:
+                turns_wait = self.queued_turns() > 0
+            if self.elastic.narrows(job, bool(turns_wait)):
+                released, members = self.gangs.narrow(job)
+                actions += released
+                touched += members
+        if self.rebalancer is not None and trained:
+            for job_id, helpers in self.rebalancer.joins(self, trained, now):
+                touched += self.elastic.widen(self.t.jobs[job_id], helpers, now)
+        return actions, touched
 
     def _on_call_submitted(self, event: CallSubmitted, now: float) -> Step:
         job_id, kind, trajectory = event.job_id, event.kind, event.trajectory
@@ -228,6 +276,7 @@ class Scheduler:
         if done is not None and done.trajectory and ran and started is not None:
             self.trajectories.ran(done.job_id, done.trajectory, ran, now - started)
         follows = not error and self.recovery.follows_on(call_id)
+        own = self.t.own.get(call_id)
         self.calls.finish(call_id, now)
         if done is None:
             return [], touched
@@ -235,7 +284,11 @@ class Scheduler:
             self.recovery.follow_on(done, now)
         job = self.t.jobs.get(done.job_id)
         actions: list[Action] = []
-        if job is not None:
+        if job is not None and own is not None and own.join and not error:  # its helpers hold its state now
+            seconds = self.elastic.joined(job, now)
+            if self.rebalancer is not None:
+                self.rebalancer.joined(seconds)
+        elif job is not None:  # (a join's restore that failed left its state nowhere: as a recovery's)
             actions += self._ended(job, done.kind, error, now)
         # A barrier's end (or any call's, before a barrier) may free the other lane too.
         others = [w for w in self.calls.other_workers(done) if w not in touched]
@@ -246,6 +299,10 @@ class Scheduler:
         if not error:
             job.opened |= kind in MAKES_STATE
             job.weights_epoch += kind in ("sync_weights", "load", "restore")
+            # Gradients wait on its workers from a forward_backward to its optim_step (a restore
+            # replays the forward_backwards since its snapshot: it leaves the step as it was).
+            if kind in ("forward_backward", "optim_step", "open"):
+                job.step_open = kind == "forward_backward"
             if job.pooled and self.rebalancer is not None and kind in ("open", "restore", "sync_weights"):
                 self.rebalancer.rollout_started(job.job_id, now)
             return []

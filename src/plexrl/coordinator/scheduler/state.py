@@ -70,6 +70,7 @@ class ScheduledWorker:
     node: str = ""  # its host: a group's members share one (groups.py)
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
+    lent_to: str = ""  # a rollout worker that joined this job's training (``Gangs.widen``): it takes no turns
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
     background_calls: frozenset[str] = frozenset()  # kinds it runs beside its other calls, in no trainer slot
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
@@ -154,16 +155,21 @@ class ScheduledJob:
     shape: JobShape | None = None  # what it trains, for the memory plan (None: unsized until it opens)
     opened: bool = False  # its open finished: some worker holds something of it
     weights_epoch: int = 0  # how often what it serves changed (sync_weights, load, restore done)
+    step_open: bool = False  # a forward_backward ran since its last optim_step (gradients wait on its workers)
+
+    @property
+    def elastic(self) -> bool:
+        """A one-device job widened to rollout workers for its training (``Gangs.widen``): its
+        trainer lane runs on ``members`` as a gang, its generates as before."""
+        return self.devices == 1 and bool(self.members)
 
     def lanes_on(self, worker_id: str, pooled_away: bool = False) -> list[Lane]:
         """Its lanes that run on ``worker_id``; ``pooled_away``: its generates run on rollout workers."""
-        if self.members:
+        if self.members and not self.elastic:
             return [TRAINER, SAMPLER] if worker_id in self.members else []
-        return [
-            lane
-            for lane in (TRAINER, SAMPLER)
-            if (self.home if lane == TRAINER else self.sampler) == worker_id and not (lane == SAMPLER and pooled_away)
-        ]
+        trainers = self.members or (self.home,)
+        lanes: list[Lane] = [TRAINER] if worker_id in trainers else []
+        return lanes + ([SAMPLER] if self.sampler == worker_id and not pooled_away else [])
 
     def idle_on(self, worker_id: str, sampler_apart: bool = False) -> bool:
         """Nothing of it queued or running on ``worker_id`` (``sampler_apart``: nothing but generates,
@@ -241,6 +247,7 @@ class Tables:
     own_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(-1, -1))
     gangs: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # group call -> (job, members)
     group_swaps: dict[str, GroupSwap] = field(default_factory=dict)  # group job -> its state's move in flight
+    widened: set[str] = field(default_factory=set)  # one-device jobs rollout workers help train (``Elastic``)
 
     # -- what policies see (``SchedulerFacts``)
 
@@ -278,8 +285,9 @@ class Tables:
 
     @staticmethod
     def takes_turns(worker: ScheduledWorker) -> bool:
-        """The worker takes pooled jobs' turns: a rollout worker no move is taking elsewhere."""
-        return worker.role == "rollout" and not worker.moving_to
+        """The worker takes pooled jobs' turns: a rollout worker no move is taking elsewhere, lent
+        to no job's training."""
+        return worker.role == "rollout" and not worker.moving_to and not worker.lent_to
 
     def pooled_away(self, job: ScheduledJob) -> bool:
         """The job's generates run on the rollout workers (it is pooled and one is registered)."""
@@ -300,7 +308,7 @@ class Tables:
         """The lanes whose calls count in the job's idle gaps (residency's break-even rule): both,
         but the generates of a one-device job whose home's sampler needs none of its state."""
         home = self.registered.get(job.home)
-        if home is not None and home.stateless_generates and not job.members and job.sampler == job.home:
+        if home is not None and home.stateless_generates and not job.devices > 1 and job.sampler == job.home:
             return (TRAINER,)
         return (TRAINER, SAMPLER)
 
