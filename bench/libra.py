@@ -341,11 +341,12 @@ def sim_part(args: Any) -> dict[str, list[dict[str, float]]]:
             rows[mode].append({
                 "chain_s": chain_s(args, seed),
                 "samples_per_s": r.trained_samples_per_s, "end_s": r.end_s, "busy": r.busy_fraction,
-                "to_last_step_s": time_to_last_step(r, arrivals), "moves": r.role_moves,
+                "to_last_step_s": time_to_last_step(r, arrivals), "moves": r.role_moves, "joins": r.joins,
                 "busy_device_s": sum(r.busy_s.values()),
             })  # fmt: skip
             print(f"  seed {seed} {mode:10s}: {r.trained_samples_per_s:7.2f} samples/s, span {r.end_s:6.0f} s, "
-                  f"busy {r.busy_fraction:.2f}, {r.role_moves} role moves ({time.perf_counter() - started:.1f} s)",
+                  f"busy {r.busy_fraction:.2f}, {r.role_moves} role moves, {r.joins} joins "
+                  f"({time.perf_counter() - started:.1f} s)",
                   flush=True)  # fmt: skip
     return rows
 
@@ -356,7 +357,7 @@ def sim_report(rows: dict[str, list[dict[str, float]]], args: Any) -> tuple[list
     for mode, r in rows.items():
         print(f"  {mode:10s}: {spread([x['samples_per_s'] for x in r])} samples/s, time to last step "
               f"{spread([x['to_last_step_s'] for x in r], 0)} s, busy {spread([x['busy'] for x in r])}, "
-              f"role moves {spread([x['moves'] for x in r], 0)}")  # fmt: skip
+              f"role moves {spread([x['moves'] for x in r], 0)}, joins {spread([x['joins'] for x in r], 0)}")  # fmt: skip
     statics = [mode for mode in rows if mode.startswith("static-")]
     best = [max((rows[m][i] for m in statics), key=lambda x: x["samples_per_s"]) for i in range(args.repeats)]
     names = [next(m for m in statics if rows[m][i] is b) for i, b in enumerate(best)]

@@ -38,7 +38,11 @@ disaggregated synchronous job on two devices of its own), ``colocated-sync`` (on
 and ``fifo`` and ``plex`` over a sweep of pool sizes. A single operating point can mislead, so
 the sweep prints GPU-hours against median slowdown (vs colocated-sync) for both and plots the
 frontier; each policy is compared at its best point with median slowdown <= 1.3x. Then a
-memory-bound pool: 8 jobs of 30 GB state on 2 devices of 80 GB, tools of median 1 s.
+memory-bound pool: 8 jobs of 30 GB state on 2 devices of 80 GB, tools of median 1 s; and a pool
+with a job larger than one device: a Qwen3-8B full fine-tune on a gang of 2 GPUs (FSDP2 trainer,
+tensor-parallel sampler: ``sim/costs.py``'s ``group_job``, the gang costs ``bench/sim_scale.py``
+and the scheduler's group placement use) beside the first 14 of the LoRA jobs on one node of 8
+GPUs, against each job on devices of its own.
 
 Ends with ``gpu_hour_reduction_real=`` (plex vs dedicated, contended), ``gpu_hour_reduction_sim=``
 and ``gpu_hour_reduction_sim_vs_colocated=`` (plex at its best point), and
@@ -68,7 +72,7 @@ import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.protocol.messages import JobInfo
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
-from plexrl.sim.costs import H200, QWEN3, grpo_job
+from plexrl.sim.costs import H200, QWEN3, group_job, grpo_job
 from plexrl.tasks import get_task
 from plexrl.trace import chrome_trace
 
@@ -405,6 +409,7 @@ def sim_part(args: argparse.Namespace) -> tuple[float, float, dict[str, list[Poi
     print(f"  fifo and plex at their best point with median slowdown <= {MAX_SLOWDOWN}x (a pool size per seed); "
           "dedicated: a rollout and a trainer GPU per job")  # fmt: skip
     memory_bound()
+    gang_pool(args)
     plex = statistics.mean(rows["plex"])
     return 1 - plex / base, 1 - plex / colo, frontier, timeline
 
@@ -419,6 +424,24 @@ def memory_bound() -> None:
         s = slowdowns(result, alone)
         print(f"  {policy:>5}: GPU-hours {result.device_hours:.2f}, median slowdown {statistics.median(s):.2f}x "
               f"(max {max(s):.2f}x), swaps {result.swaps}")  # fmt: skip
+
+
+def gang_pool(args: argparse.Namespace) -> None:
+    """A Qwen3-8B full fine-tune on a gang of 2 GPUs (145 GB of state: no one GPU holds it) beside
+    14 LoRA jobs on one node of 8 H200s, seed 0: its gang time-sliced with them (fifo, plex),
+    against every job on devices of its own (the gang's 2, one each for the others)."""
+    gang = group_job("fsdp2-8B", QWEN3["8B"], 2, steps=args.sim_steps, turns=3)
+    jobs = [gang, *sim_jobs(args)[:14]]
+    alone = Simulation("dedicated", 2 + len(jobs) - 1, jobs, seed=0).run()
+    memory = H200.memory_bytes - sum(QWEN3[s].weight_bytes for s in SIM_SIZES)
+    print(f"  a gang in the pool: {gang.name} on 2 GPUs ({gang.state_bytes / 1e9:.0f} GB of state each) and 14 "
+          f"LoRA jobs on 8 GPUs, seed 0 (alone: {alone.device_hours:.2f} GPU-hours on {2 + len(jobs) - 1})")  # fmt: skip
+    for policy in ("fifo", "plex"):
+        result = Simulation(policy, 8, jobs, seed=0, slots=3, memory_bytes=memory,
+                            swap_bytes_per_s=H200.host_bytes_per_s).run()  # fmt: skip
+        s = slowdowns(result, alone)
+        print(f"  {policy:>5}: GPU-hours {result.device_hours:.2f}, the gang's slowdown {s[0]:.2f}x, the LoRA jobs' "
+              f"median {statistics.median(s[1:]):.2f}x (max {max(s[1:]):.2f}x), swaps {result.swaps}")  # fmt: skip
 
 
 # -- plots ------------------------------------------------------------------------------------

@@ -138,14 +138,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--elastic",
         action="store_true",
-        help="Libra's elastic roles: train workers whose pooled jobs roll out lend themselves to rollout "
-        "until those jobs train again",
+        help="Libra's elastic roles, both ways: train workers whose pooled jobs roll out lend themselves to "
+        "rollout until those jobs train again, and idle rollout workers join a recoverable pooled job's "
+        "training (data parallel) from one optimizer step to a later one",
     )
     p.add_argument(
         "--move-prior",
         type=float,
         default=1.0,
-        help="with --elastic: seconds a worker's move between roles is expected to take until moves are measured",
+        help="with --elastic: seconds a worker's move between roles (or a join of a job's training) is expected "
+        "to take until measured",
     )
     p.add_argument(
         "--level-peers",

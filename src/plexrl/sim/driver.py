@@ -87,6 +87,7 @@ class SimResult:
     swap_s: float = 0.0
     timeline: list[Span] = field(default_factory=list)  # each call, as plexrl.trace writes real runs' calls
     role_moves: int = 0  # workers moved between rollout and training
+    joins: int = 0  # times rollout workers joined a job's training (``scheduler/elastic.py``)
     weight_pushes: int = 0  # pooled jobs' weights pushed to rollout workers before their turns there
     push_s: float = 0.0  # and their seconds (each turn behind one starts that much later)
 
@@ -199,6 +200,7 @@ class Simulation:
         self.scheduler = scheduler or sch.Scheduler(policy)
         self.move_s = move_s
         self._role_moves = 0
+        self._joins = 0
         self._pushes: dict[tuple[str, str], float] = {}  # (rollout worker, job) -> a push its next turn waits for
         self._weight_pushes = 0
         self._push_s = 0.0
@@ -245,6 +247,7 @@ class Simulation:
             swap_s=self._swap_s,
             timeline=self._timeline,
             role_moves=self._role_moves,
+            joins=self._joins,
             weight_pushes=self._weight_pushes,
             push_s=self._push_s,
         )
@@ -280,8 +283,11 @@ class Simulation:
                     self._weight_pushes += 1
                     self._push_s += seconds
                 case ev.Dispatch(call_id, worker_id, _, exclusive, own):
-                    if own is not None:  # the scheduler's own call: a disaggregated job's weights pushed
+                    if (
+                        own is not None
+                    ):  # the scheduler's own call: a follow-on, or a restore (a recovery's or a join's)
                         self._calls[call_id] = (own.job_id, self._own_work(own), None)
+                        self._joins += own.join
                     push_s = self._pushes.pop((worker_id, self._calls[call_id][0]), 0.0)
                     start = functools.partial(self._start, call_id, worker_id, exclusive)
                     if push_s:  # the turn runs once the weights it samples have arrived
@@ -309,10 +315,12 @@ class Simulation:
     def _own_work(self, own: ev.OwnCall) -> Work:
         """What a call of the scheduler's own costs: weights crossing to a sampler worker (a
         follow-on's ``set_weights``) or a job's state rebuilt (``restore``), at the swap bandwidth;
-        a replica's ``open`` or ``close`` costs nothing here (as the job's own do not)."""
+        a join's restore also costs a move between roles (``move_s``: its process group starts, the
+        helper leaves its sampling); a replica's ``open`` or ``close`` costs nothing here (as the
+        job's own do not)."""
         state = self._jobs[own.job_id].model.state_bytes
         moved = {"set_weights": served_bytes(state), "restore": state}.get(own.kind, 0)
-        return Work(own.kind, seconds=moved / self.swap_bytes_per_s)
+        return Work(own.kind, seconds=moved / self.swap_bytes_per_s + (self.move_s if own.join else 0.0))
 
     def _at(self, t: float, fire: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fire))

@@ -44,7 +44,6 @@ class Elastic:
         return (
             job.pooled
             and job.recoverable
-            and job.opened
             and job.devices == 1
             and not job.members
             and not job.step_open
@@ -87,9 +86,9 @@ class Elastic:
         self.recovery.queue_own(job, "restore", now, join=True)
         return list(job.members)
 
-    def joined(self, job: ScheduledJob, now: float) -> float:
-        """The restore of ``job``'s widening ended well: how long the join took."""
-        return now - self._since.pop(job.job_id, now)
+    def joined(self, job_id: str, now: float) -> float:
+        """The restore of the job's widening ended: how long the join took."""
+        return now - self._since.pop(job_id, now)
 
     def narrows(self, job: ScheduledJob, turns_wait: bool) -> bool:
         """The widened job's helpers are due to leave: it is at a step boundary with nothing of its

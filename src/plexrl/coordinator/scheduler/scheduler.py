@@ -179,7 +179,7 @@ class Scheduler:
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for: its own step's, then whatever the workers it touched
         can start now (dispatch looks only there)."""
-        trained = self._trained_job(event)
+        trained = self._trained_jobs(event)
         match event:  # the frequent events first
             case CallSubmitted():
                 actions, touched = self._on_call_submitted(event, now)
@@ -223,7 +223,7 @@ class Scheduler:
             actions += self.pool.moves_due()
         return actions
 
-    def _trained_job(self, event: Event) -> list[str]:
+    def _trained_jobs(self, event: Event) -> list[str]:
         """The pooled jobs whose training ``event`` may bring to a step boundary rollout workers
         could join it at: a trainer call's job (submitted or done), or all on a tick."""
         if isinstance(event, Tick):
@@ -284,8 +284,9 @@ class Scheduler:
             self.recovery.follow_on(done, now)
         job = self.t.jobs.get(done.job_id)
         actions: list[Action] = []
-        if job is not None and own is not None and own.join and not error:  # its helpers hold its state now
-            seconds = self.elastic.joined(job, now)
+        joined = job is not None and own is not None and own.join
+        seconds = self.elastic.joined(done.job_id, now) if joined else 0.0
+        if joined and not error:  # its helpers hold its state now
             if self.rebalancer is not None:
                 self.rebalancer.joined(seconds)
         elif job is not None:  # (a join's restore that failed left its state nowhere: as a recovery's)
