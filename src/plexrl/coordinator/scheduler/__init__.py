@@ -16,6 +16,7 @@ owns one concern:
 | ``engines.py`` | when a worker's vLLM engines sleep for training and wake to sample |
 | ``placement.py`` | a one-device job's home and sampler worker, sized by the memory plan |
 | ``gangs.py`` | a group job's block of workers, and its calls run on all of them at once |
+| ``elastic.py`` | idle rollout workers joining a pooled job's training at a step boundary, and leaving |
 | ``pool.py`` | pooled jobs' turns on the rollout workers, their replicas, role moves |
 | ``recovery.py`` | lost workers and jobs, restores and the scheduler's other calls of its own |
 
@@ -24,7 +25,9 @@ Invariants it keeps, whatever the policy:
   lane, one call at a time and in submission order (generates may overlap, in priority order);
   a barrier (``open``, ``close``, ``sync_weights``, ``load``: they change what the sampler
   serves) waits for every earlier call of the job and holds back every later one;
-- trainer-lane calls run on the job's home worker (affinity); the sampler lane runs there too,
+- trainer-lane calls run on the job's home worker (affinity), and on the rollout workers that
+  joined its training while they help (``elastic.py``: from one step boundary to another, a
+  gang); the sampler lane runs there too,
   or, for a disaggregated job, on its sampler worker, or, for a pooled job, on the rollout
   workers: each turn in the bucket of its trajectory's level (``coordinator/buckets.py``), on
   the worker its trajectory's last turn ran on if that one has a free slot (its prefix cache);

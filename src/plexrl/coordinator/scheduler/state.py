@@ -70,7 +70,7 @@ class ScheduledWorker:
     node: str = ""  # its host: a group's members share one (groups.py)
     index: int = 0  # its device index on ``node``
     gang: str = ""  # the group job claiming it: its call runs here, or waits for this worker to drain
-    lent_to: str = ""  # a rollout worker that joined this job's training (``Gangs.widen``): it takes no turns
+    lent_to: str = ""  # a rollout worker that joined this job's training (``Elastic.widen``): it takes no turns
     stateless_generates: bool = False  # its sampler keeps its own copy of jobs' weights (vLLM): see needs_state
     background_calls: frozenset[str] = frozenset()  # kinds it runs beside its other calls, in no trainer slot
     devices: int = 1  # accelerators acting as one (a tensor-parallel sampler)
@@ -159,7 +159,7 @@ class ScheduledJob:
 
     @property
     def elastic(self) -> bool:
-        """A one-device job widened to rollout workers for its training (``Gangs.widen``): its
+        """A one-device job widened to rollout workers for its training (``Elastic.widen``): its
         trainer lane runs on ``members`` as a gang, its generates as before."""
         return self.devices == 1 and bool(self.members)
 
@@ -308,7 +308,7 @@ class Tables:
         """The lanes whose calls count in the job's idle gaps (residency's break-even rule): both,
         but the generates of a one-device job whose home's sampler needs none of its state."""
         home = self.registered.get(job.home)
-        if home is not None and home.stateless_generates and not job.devices > 1 and job.sampler == job.home:
+        if home is not None and home.stateless_generates and job.devices == 1 and job.sampler == job.home:
             return (TRAINER,)
         return (TRAINER, SAMPLER)
 
