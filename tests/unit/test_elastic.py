@@ -71,7 +71,7 @@ def test_an_idle_rollout_worker_joins_a_jobs_training_at_a_step_boundary_and_lea
     ]
 
 
-def test_no_rollout_worker_joins_training_too_short_to_pay_for_the_join_or_while_turns_wait() -> None:
+def test_no_rollout_worker_joins_training_too_short_to_pay_for_the_join_or_while_it_runs_a_turn() -> None:
     s = _trained_once(prior_move_s=1.0)  # half of 3 s does not beat a join and its way back (2 x 1 s)
     assert s.handle(CallSubmitted(6, "a", "forward_backward"), 24.0) == [Dispatch(6, "w0")]
     assert s.members(6) == ()
@@ -116,14 +116,27 @@ def test_invariants_hold_as_rollout_workers_join_and_leave_training(ops: list[tu
     check_elastic(ops)
 
 
-def check_elastic(ops: list[tuple[str, int]]) -> int:
+def test_the_invariant_model_sees_joins_and_a_helper_lost_mid_step() -> None:
+    """The model above reaches what it checks: job a's client runs its script step after step,
+    each call ending before the next is submitted; from the second step rollout workers join its
+    training at each step, and then one dies while the step's forward_backward runs on it."""
+    opens = [("finish", 0), ("finish", 0)]
+    step = [("submit", 0), ("finish", 0)] * len(SCRIPT)
+    assert check_elastic(opens + step * 4) == (3, 0)
+    into_training = [("submit", 0), ("finish", 0)] * 4  # two turns, the join, the first forward_backward
+    joins, lost = check_elastic(opens + step * 2 + into_training + [("lose", 0)] + step)
+    assert joins >= 2 and lost == 1
+
+
+def check_elastic(ops: list[tuple[str, int]]) -> tuple[int, int]:
     """Two pooled recoverable jobs homed on w0, each client cycling through ``SCRIPT`` (two turns,
     two forward_backwards, an optim_step, a sync) as ``ops`` submit, with rollout workers that come
     and go. Held to, at every action: a turn never runs on a worker helping a job train; a job's
     trainer calls run on its home and its helpers exactly while it is widened; a join, and a
     helper's leave, happen only at a step boundary with nothing of the job's trainer lane running;
     no call runs twice at once. At the end, with every call done and the jobs closed, nothing of
-    them is left anywhere and every worker takes turns again. Returns the joins seen."""
+    them is left anywhere and every worker takes turns again. Returns the joins seen, and the
+    helpers lost mid-step (the job's gradients on them, or its trainer call running there)."""
     s = Scheduler("fifo", rebalancer=Rebalancer(prior_move_s=0.05))
     s.handle(WorkerJoined("w0", slots=2, role="train"), 0.0)
     rollout = ["r0", "r1"]
@@ -137,7 +150,7 @@ def check_elastic(ops: list[tuple[str, int]]) -> int:
     unfinished: set[int] = set()
     step_open = {j: False for j in jobs}
     widened: dict[str, tuple[str, ...]] = {j: () for j in jobs}
-    t, next_call, joins, added = 0.0, 1, 0, len(rollout) - 1
+    t, next_call, joins, added, lost_mid_step = 0.0, 1, 0, len(rollout) - 1, 0
 
     def check(actions: list) -> None:
         nonlocal joins
@@ -211,12 +224,13 @@ def check_elastic(ops: list[tuple[str, int]]) -> int:
             check(s.handle(Tick(), t))
         elif op == "lose" and rollout:
             w = rollout.pop(arg % len(rollout))
+            for j in jobs:
+                if w in widened[j]:
+                    lost_mid_step += step_open[j] or _trainer_running(j)
+                    widened[j] = ()
             for c in [c for c, on in running.items() if w in on]:
                 if kind_of[c] == "generate" or len(running[c]) > 1:
                     del running[c]  # requeued: it runs again
-            for j in jobs:
-                if w in widened[j]:
-                    widened[j] = ()
             check(s.handle(WorkerLost(w, "killed"), t))
         elif op == "join":
             added += 1
@@ -241,4 +255,4 @@ def check_elastic(ops: list[tuple[str, int]]) -> int:
         check(s.handle(JobClosed(j), t))
     for w in s.workers():
         assert not w.lent_to and not w.jobs and w.used_bytes == 0, w
-    return joins
+    return joins, lost_mid_step

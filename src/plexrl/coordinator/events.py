@@ -249,7 +249,7 @@ class OwnCall:
     job_id: str
     kind: CallKind
     follows: int = 0  # the call it carries on (0: none)
-    join: bool = False  # a restore on the members of a job rollout workers joined (not a recovery)
+    join: bool = False  # a restore dispatched to a job rollout workers joined (not a recovery): ``Gangs._start``
 
 
 @dataclass(frozen=True, slots=True)

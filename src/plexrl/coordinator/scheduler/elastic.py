@@ -83,7 +83,7 @@ class Elastic:
         job.members = (job.home, *(w.worker_id for w in helpers))
         self.t.widened.add(job.job_id)
         self._since[job.job_id] = now
-        self.recovery.queue_own(job, "restore", now, join=True)
+        self.recovery.queue_own(job, "restore", now)  # a join's while the job is widened (``Gangs.dispatch``)
         return list(job.members)
 
     def joined(self, job_id: str, now: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from plexrl.coordinator import groups
 from plexrl.coordinator import residency as rs
 from plexrl.coordinator.events import Action, Dispatch, Fail, Place, Release
@@ -142,7 +144,10 @@ class Gangs:
             self.t.ledger.call_started(w.worker_id, job.job_id, now)
         self.t.ran_on[call.call_id] = job.home
         self.t.gangs[call.call_id] = (job.job_id, job.members)
-        return [Dispatch(call.call_id, job.home, call.priority, own=self.t.own.get(call.call_id))]
+        own = self.t.own.get(call.call_id)
+        if own is not None and job.elastic:  # its restore gives the rollout workers that joined it its state
+            own = dataclasses.replace(own, join=True)
+        return [Dispatch(call.call_id, job.home, call.priority, own=own)]
 
     def unclaim(self, job: ScheduledJob) -> list[str]:
         """Drop the group's claim on its members if none of its calls runs (its ready call went away)."""

@@ -225,24 +225,17 @@ class Recovery:
     def _restores(self, job: ScheduledJob, now: float) -> bool:
         """Queue a ``restore`` ahead of the re-homed job's calls, unless one is pending or it never
         opened (its ``open`` makes it): whether it did."""
-        pending = [c for c in job.unfinished if self.t.calls[c].kind in MAKES_STATE]
-        for c in pending:  # a join's restore (its helpers gone) is the job's recovery now
-            if c in self.t.own and self.t.own[c].join:
-                self.t.own[c] = replace(self.t.own[c], join=False)
-        if pending:
+        if {self.t.calls[c].kind for c in job.unfinished} & MAKES_STATE:
             return False
         self.queue_own(job, "restore", now)
         return True
 
-    def queue_own(
-        self, job: ScheduledJob, kind: CallKind, now: float, after: ScheduledCall | None = None, join: bool = False
-    ) -> None:
+    def queue_own(self, job: ScheduledJob, kind: CallKind, now: float, after: ScheduledCall | None = None) -> None:
         """Submit a call of the scheduler's own for ``job``: ahead of its other calls, or in the place
-        of the call ``after`` (just done) on its sampler worker (``join``: a restore on the members
-        of a job rollout workers joined, ``Elastic``)."""
+        of the call ``after`` (just done) on its sampler worker."""
         assert job.lost is None, f"no call of its own for lost job {job.job_id}"
         call_id = next(self.t.own_ids)
-        self.t.own[call_id] = OwnCall(job.job_id, kind, follows=after.call_id if after is not None else 0, join=join)
+        self.t.own[call_id] = OwnCall(job.job_id, kind, follows=after.call_id if after is not None else 0)
         call = self.calls.new(call_id, job.job_id, kind, front=after is None)
         if after is not None:
             call = replace(call, seq=after.seq, lane=SAMPLER)

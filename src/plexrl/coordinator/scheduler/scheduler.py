@@ -284,7 +284,7 @@ class Scheduler:
             self.recovery.follow_on(done, now)
         job = self.t.jobs.get(done.job_id)
         actions: list[Action] = []
-        joined = job is not None and own is not None and own.join
+        joined = job is not None and job.elastic and own is not None and own.kind == "restore"
         seconds = self.elastic.joined(done.job_id, now) if joined else 0.0
         if joined and not error:  # its helpers hold its state now
             if self.rebalancer is not None:
