@@ -48,8 +48,9 @@ from safetensors.numpy import load_file
 import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.tasks import get_task
+from plexrl.text import Renderer
 
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 TASKS = ("sum", "add")
 
 
@@ -91,9 +92,9 @@ async def job_loop(name: str, index: int, args: Any, run_tag: str) -> JobRun:
                               seed=index) as job:  # fmt: skip
             for _ in range(args.steps):
                 problems = task.sample(args.prompts, rng)
-                prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+                prompts = [RENDERER.prompt(p.prompt) for p in problems]
                 out = await timed(job.generate(prompts, params))
-                rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+                rewards = [task.score(problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
                 await timed(job.forward_backward(plexrl.grpo_batch(prompts, out, rewards), loss="grpo"))
                 run.steps.append((await timed(job.optim_step())).step)
                 await timed(job.sync_weights())

@@ -45,8 +45,9 @@ from plexrl.errors import JobTooLargeError
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.plan import ModelShape
 from plexrl.tasks import get_task, held_out_reward
+from plexrl.text import Renderer
 
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 
 
 async def fits(args: argparse.Namespace) -> bool:
@@ -71,9 +72,9 @@ async def fits(args: argparse.Namespace) -> bool:
             start = time.perf_counter()
             for step in range(1, args.steps + 1):
                 problems = task.sample(args.prompts, rng)
-                prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+                prompts = [RENDERER.prompt(p.prompt) for p in problems]
                 out = await job.generate(prompts, sampling)
-                rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+                rewards = [task.score(problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
                 await job.optimize(plexrl.grpo_batch(prompts, out, rewards), loss="grpo")
                 await job.sync_weights()
                 if step % 10 == 0:

@@ -154,7 +154,7 @@ async def real_job(index: int, rep: int, args: Any, placement: str, t0: float) -
                 result.run.sampled(len(t), [turn.tokens for turn in t.turns])
                 result.turn_lengths.append([len(turn.tokens) for turn in t.turns])
             rewards = [
-                task.score(problems[i // args.group], completion(t, marlaas.TOKENIZER)) for i, t in enumerate(trajs)
+                task.score(problems[i // args.group], completion(t, marlaas.RENDERER)) for i, t in enumerate(trajs)
             ]
             batch = plexrl.trajectory_batch(trajs, rewards, np.repeat(np.arange(len(problems)), args.group))
             await job.optimize(batch, loss="grpo")

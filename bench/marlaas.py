@@ -73,8 +73,9 @@ from plexrl.rollout import completion, play, turn_params
 from plexrl.sim import JobModel, Lognormal, Simulation
 from plexrl.sim.costs import H200, QWEN3, grpo_job
 from plexrl.tasks import Problem, Task, get_task
+from plexrl.text import Renderer
 
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 KINDS = ("sum", "search")
 RANKS = (2, 4, 8)
 EVAL_KEY = 1 << 20  # the held-out evaluation's place among the steps in seeds
@@ -152,11 +153,11 @@ async def trajectories(
     job: plexrl.Job, task: Task, problems: list[Problem], copies: int, keys: tuple[int, ...], args: Any, greedy: bool
 ) -> list[plexrl.Trajectory]:
     """``copies`` agent trajectories per problem, all at once."""
-    params = turn_params(task, TOKENIZER, temperature=0.0 if greedy else 1.0)
+    params = turn_params(task, RENDERER, temperature=0.0 if greedy else 1.0)
     latency = Lognormal(args.tool_median, args.tool_sigma)
     keyed = [(*keys, i, c) for i in range(len(problems)) for c in range(copies)]
     return list(await asyncio.gather(*(
-        play(job, task, problems[k[-2]], params, TOKENIZER, tool=SearchAPI(task, latency, k), seed=seed_of(*k)) for k in keyed
+        play(job, task, problems[k[-2]], params, RENDERER, tool=SearchAPI(task, latency, k), seed=seed_of(*k)) for k in keyed
     )))  # fmt: skip
 
 
@@ -179,16 +180,16 @@ async def rollout(
             run.sampled(len(t), [turn.tokens for turn in t.turns])
         if not greedy:
             run.turns += [len(t.turns) for t in trajs]
-        rewards = [task.score(problems[i // copies], completion(t, TOKENIZER)) for i, t in enumerate(trajs)]
+        rewards = [task.score(problems[i // copies], completion(t, RENDERER)) for i, t in enumerate(trajs)]
         groups = np.repeat(np.arange(len(problems)), copies)
         return rewards, functools.partial(plexrl.trajectory_batch, trajs, rewards, groups)
-    prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+    prompts = [RENDERER.prompt(p.prompt) for p in problems]
     params = plexrl.SamplingParams(n=copies, max_tokens=task.max_tokens, temperature=0.0 if greedy else 1.0,
                                    seed=seed_of(*keys))  # fmt: skip
     out = await job.generate(prompts, params)
     for s in out.samples:
         run.sampled(len(prompts[s.prompt_index]) + len(s.tokens), [s.tokens])
-    rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+    rewards = [task.score(problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
     return rewards, functools.partial(plexrl.grpo_batch, prompts, out, rewards)
 
 

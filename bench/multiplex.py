@@ -74,10 +74,11 @@ from plexrl.protocol.messages import JobInfo
 from plexrl.sim import JobModel, Lognormal, SimResult, Simulation
 from plexrl.sim.costs import H200, QWEN3, group_job, grpo_job
 from plexrl.tasks import get_task
+from plexrl.text import Renderer
 from plexrl.trace import chrome_trace
 
 TASK = get_task("sum")
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 SIM_SIZES = ("1.7B", "4B", "8B")
 MAX_SLOWDOWN = 1.3  # the operating points compared: median slowdown at most this
 MODES = ("dedicated", "fifo", "plex")
@@ -158,7 +159,7 @@ async def agent(index: int, regime: Regime, args: argparse.Namespace, t0: float)
             batches = []
             for _ in range(regime.turns):
                 problems = TASK.sample(regime.prompts, rng)
-                prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+                prompts = [RENDERER.prompt(p.prompt) for p in problems]
                 out = await timed("generate", job.generate(prompts, sampling))
                 lengths = [len(s.tokens) for s in out.samples]
                 for s in out.samples:
@@ -166,7 +167,7 @@ async def agent(index: int, regime: Regime, args: argparse.Namespace, t0: float)
                 trace.lengths += lengths
                 trace.gen_steps.append(max(lengths))
                 trace.gen_tokens.append(sum(lengths))
-                rewards = [TASK.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+                rewards = [TASK.score(problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
                 batches.append(plexrl.grpo_batch(prompts, out, rewards))
                 await asyncio.sleep(float(regime.tool.draw(rng)))  # the tool: off the accelerator
             for batch in batches:

@@ -63,8 +63,9 @@ import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import RolloutMetrics, train
 from plexrl.tasks import get_task
+from plexrl.text import Renderer
 
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 TASK = get_task("sum")
 LOSS = plexrl.LossConfig(kl_coef=0.04)  # GRPO with its usual KL to the base model (DeepSeekMath's beta)
 MODES = {"a": ("sync", "frontier", False), "b": ("CGP", "arrival", True), "c": ("CGP+FGD", "frontier", True)}
@@ -113,10 +114,10 @@ async def run_mode(mode: str, group: int, args: argparse.Namespace) -> Run:
                           placement="disaggregated") as job:  # fmt: skip
         for _ in range(args.steps):
             problems = TASK.sample(args.prompts, rng)
-            prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+            prompts = [RENDERER.prompt(p.prompt) for p in problems]
 
             def score(i: int, sample: plexrl.Sample, problems: list = problems) -> float:  # type: ignore[type-arg]
-                return TASK.score(problems[i], TOKENIZER.decode(sample.tokens))
+                return TASK.score(problems[i], RENDERER.text(sample.tokens))
 
             rollout = job.rollout(prompts, n=group, reward=score, params=params, chunk=group, admission=admission)
             # Pipelined: each group's training call goes out as the group completes; sync: all at once after.

@@ -76,10 +76,11 @@ import numpy as np
 import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.tasks import Problem, Task, get_task
+from plexrl.text import Renderer
 from plexrl.types import DEFAULT_LORA_TARGETS
 
 TASK = "sum"
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 TARGET = 1.25
 MODES = ("plexrl-vllm", "plexrl-hf", "trl")
 PLEXRL_KINDS = ("generate", "score", "forward_backward", "optim_step", "sync_weights")
@@ -131,11 +132,11 @@ async def plexrl_run(client: plexrl.Client, name: str, args: argparse.Namespace)
     rewards_all: list[float] = []
     async with plexrl.job(name, model=TINY_MODEL, lora=lora, optimizer=adamw, seed=args.seed, client=client) as job:
         for problems in draw_problems(args):
-            prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+            prompts = [RENDERER.prompt(p.prompt) for p in problems]
             t0 = time.perf_counter()
             out = await job.generate(prompts, params)
             t1 = time.perf_counter()
-            rewards = [reward_of(task, problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+            rewards = [reward_of(task, problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
             batch = plexrl.grpo_batch(prompts, out, rewards)
             run.trained_rows.append(float(np.mean(batch.advantages_B != 0)))
             t2 = time.perf_counter()
@@ -179,14 +180,14 @@ def trl_run(args: argparse.Namespace) -> Run:
 
     task, run = get_task(TASK), Run()
     problems = [p for step in draw_problems(args) for p in step]
-    expected_prompts = {tuple(TOKENIZER.encode(p.prompt)) for p in problems}
+    expected_prompts = {tuple(RENDERER.prompt(p.prompt)) for p in problems}
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     rewards_all: list[float] = []
 
     def reward(prompts: list[str], completion_ids: list[list[int]], answer: list[str], **_: Any) -> list[float]:
         # Decoded as plexrl's loop decodes, so both score the same text.
         scores = [
-            reward_of(task, Problem(prompt=p, answer=a), TOKENIZER.decode(ids))
+            reward_of(task, Problem(prompt=p, answer=a), RENDERER.text(ids))
             for p, a, ids in zip(prompts, answer, completion_ids, strict=True)
         ]
         rewards_all.extend(scores)

@@ -29,9 +29,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_shaped_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-1.7B's vocabulary, head size, tied embeddings and special tokens on 2 small layers
-    (random bf16 weights): what the bf16 path is tested on."""
+    (random bf16 weights), with a BPE tokenizer and chat template trained and written beside it
+    (``plexrl.models.bpe``): what the bf16 path and real tokenizers are tested on."""
     from plexrl.models import QWEN3_SHAPED_CONFIG, write_random_model
+    from plexrl.models.bpe import write_qwen3_tokenizer
 
-    return write_random_model(
+    path = write_random_model(
         tmp_path_factory.mktemp("models") / "qwen3-shaped", seed=0, shape=QWEN3_SHAPED_CONFIG, dtype="bfloat16"
     )
+    return write_qwen3_tokenizer(path)

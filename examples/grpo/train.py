@@ -25,8 +25,9 @@ import plexrl
 from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.tasks import TASKS, Task, get_task, held_out_reward
+from plexrl.text import Renderer
 
-TOKENIZER = CharTokenizer()
+RENDERER = Renderer(CharTokenizer())
 
 
 async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView, log: Any) -> dict[str, Any]:
@@ -38,9 +39,9 @@ async def train(task: Task, seed: int, args: argparse.Namespace, view: LiveView,
         view.update(task.name, held_out=f"{initial:.2f} -> ...")
         for step in range(1, args.steps + 1):
             problems = task.sample(args.prompts, rng)
-            prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+            prompts = [RENDERER.prompt(p.prompt) for p in problems]
             out = await plexrl.generate(prompts, sampling)
-            rewards = [task.score(problems[s.prompt_index], TOKENIZER.decode(s.tokens)) for s in out.samples]
+            rewards = [task.score(problems[s.prompt_index], RENDERER.text(s.tokens)) for s in out.samples]
             result = await plexrl.optimize(plexrl.grpo_batch(prompts, out, rewards), loss="grpo")
             await job.sync_weights()
             view.update(task.name, done=step, reward=float(np.mean(rewards)))

@@ -27,23 +27,24 @@ from plexrl.live import LiveView
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import completion, play, train_async, turn_params
 from plexrl.tasks import get_task
+from plexrl.text import Renderer
 
-TASK, TOK = get_task("search"), CharTokenizer()
+TASK, RENDERER = get_task("search"), Renderer(CharTokenizer())
 
 
 def response(traj: plexrl.Trajectory) -> str:
-    return completion(traj, TOK)
+    return completion(traj, RENDERER)
 
 
 async def held_out(job: plexrl.Job, samples: int = 4) -> tuple[float, float, list[plexrl.Trajectory]]:
     """Exact match on the held-out questions (people never trained on): of the policy's own
     trajectories (temperature 1, ``samples`` per question), and of greedy ones."""
     problems = TASK.eval_set()
-    sampled_params, greedy_params = turn_params(TASK, TOK), turn_params(TASK, TOK, temperature=0.0)
+    sampled_params, greedy_params = turn_params(TASK, RENDERER), turn_params(TASK, RENDERER, temperature=0.0)
     repeated = problems * samples
     sampled, greedy = await asyncio.gather(
-        asyncio.gather(*(play(job, TASK, p, sampled_params, TOK) for p in repeated)),
-        asyncio.gather(*(play(job, TASK, p, greedy_params, TOK) for p in problems)),
+        asyncio.gather(*(play(job, TASK, p, sampled_params, RENDERER) for p in repeated)),
+        asyncio.gather(*(play(job, TASK, p, greedy_params, RENDERER) for p in problems)),
     )
     em = [TASK.score(p, response(t)) for p, t in zip(repeated, sampled, strict=True)]
     em_greedy = [TASK.score(p, response(t)) for p, t in zip(problems, greedy, strict=True)]
@@ -53,7 +54,7 @@ async def held_out(job: plexrl.Job, samples: int = 4) -> tuple[float, float, lis
 async def main(args: argparse.Namespace) -> None:
     cluster = plexrl.connect(args.coordinator) if args.coordinator else plexrl.local(workers=1)
     rng = np.random.default_rng(args.seed)
-    params = turn_params(TASK, TOK)
+    params = turn_params(TASK, RENDERER)
     lora, adamw = plexrl.LoRA(rank=args.rank), plexrl.AdamW(lr=args.lr)
     spec = {"model": TINY_MODEL, "lora": lora, "optimizer": adamw, "max_staleness": args.max_staleness}
     async with cluster, plexrl.job("search-agent", **spec) as job:
@@ -62,7 +63,7 @@ async def main(args: argparse.Namespace) -> None:
 
         async def group(index: int) -> tuple[list[plexrl.Trajectory], list[float]]:
             problem = TASK.sample(1, rng)[0]  # drawn in index order: before the first await
-            trajs = await asyncio.gather(*(play(job, TASK, problem, params, TOK) for _ in range(args.group)))
+            trajs = await asyncio.gather(*(play(job, TASK, problem, params, RENDERER) for _ in range(args.group)))
             return list(trajs), [TASK.score(problem, response(t)) for t in trajs]
 
         loss = "decoupled_ppo" if args.max_staleness else "grpo"  # k = 0: synchronous, on-policy

@@ -26,6 +26,7 @@ from plexrl.protocol.calls import (
     Synced,
 )
 from plexrl.rollout import group_advantages, grpo_batch, trajectory_batch
+from plexrl.text import Renderer, Tokenizer
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, Sample, SamplingParams
 
 __version__ = "0.1.0"
@@ -46,10 +47,12 @@ __all__ = [
     "OptimStepResult",
     "Optimized",
     "Ragged",
+    "Renderer",
     "Sample",
     "SamplingParams",
     "Saved",
     "Synced",
+    "Tokenizer",
     "Trajectory",
     "Turn",
     "connect",

@@ -35,6 +35,7 @@ __all__ = [
     "SamplerUnavailableError",
     "StaleSamplesError",
     "TooManyCallsError",
+    "TokenizerError",
     "TrajectoryError",
     "UnknownClientError",
     "UnknownJobError",
@@ -117,6 +118,14 @@ class TrajectoryError(InvalidRequestError):
     ``n != 1``, or an observation on a trajectory that already stopped."""
 
     code = "trajectory"
+
+
+class TokenizerError(InvalidRequestError):
+    """A tokenizer cannot do what was asked: a chat conversation without a chat template, a
+    template whose next turn does not extend the tokens already sampled, stop strings on a
+    model directory without tokenizer files."""
+
+    code = "tokenizer"
 
 
 class CheckpointPathError(InvalidRequestError):

@@ -27,6 +27,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k filter
     stop_token_ids: tuple[int, ...] = ()  # the model's EOS always stops too
+    # Text that ends a completion, matched on the decoded text by the sampler (so it may end inside
+    # a token or span several); the token completing it is the last one kept. Needs tokenizer
+    # files in the model directory.
+    stop: tuple[str, ...] = ()
     seed: int | None = None  # None = derived from the job's seed and its call count
     # EOS and stop tokens are masked until this many tokens are out (min_tokens == max_tokens: every
     # row runs to full length). The hf sampler reports logprobs of the unmasked distribution; vLLM
@@ -49,6 +53,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             problems.append(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if any(t < 0 for t in self.stop_token_ids):
             problems.append("stop_token_ids must be non-negative token ids")
+        if len(self.stop) > 16 or not all(isinstance(s, str) and s for s in self.stop):
+            problems.append(f"stop={self.stop!r} must be at most 16 non-empty strings")
         if problems:
             raise InvalidSamplingParamsError("invalid SamplingParams: " + "; ".join(problems))
 

@@ -13,8 +13,9 @@ import plexrl
 from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import completion, play, turn_params
 from plexrl.tasks import Problem, get_task
+from plexrl.text import Renderer
 
-TOK = CharTokenizer()
+TOK = Renderer(CharTokenizer())
 
 
 @pytest.mark.asyncio
@@ -37,12 +38,12 @@ async def test_an_episode_alternates_turns_and_tool_observations() -> None:
         assert traj.stop_reason in ("answered", "max_turns", "max_tokens")
         for i, turn in enumerate(traj.turns[:-1]):
             # what followed each turn is exactly the tokenized result of the search it wrote
-            response = TOK.decode(np.concatenate([np.concatenate([t.tokens, t.observation]) for t in traj.turns[:i]]
+            response = TOK.text(np.concatenate([np.concatenate([t.tokens, t.observation]) for t in traj.turns[:i]]
                                                  + [turn.tokens]))  # fmt: skip
             expected = task.respond(problem, response)
-            assert expected is not None and turn.observation.tolist() == TOK.encode(expected, bos=False)
-            assert turn.tokens[-1] == TOK.encode(task.turn_end or "", bos=False)[0]  # each turn ends at the marker
-        assert completion(traj, TOK).startswith(TOK.decode(traj.turns[0].tokens))
+            assert expected is not None and turn.observation.tolist() == TOK.observation(expected)
+            assert TOK.text(turn.tokens).endswith(task.turn_end or "?")  # each turn ends at the marker (a stop string)
+        assert completion(traj, TOK).startswith(TOK.text(traj.turns[0].tokens))
     assert len(seen) == sum(len(t.turns) for t in trajs)  # the tool answered every turn
 
 
@@ -61,4 +62,4 @@ async def test_seeded_episodes_are_reproducible_and_a_single_turn_task_is_one_tu
         single = await play(job, chain, chain.eval_set()[0], turn_params(chain, TOK), TOK, seed=3)
     assert [t.tokens.tolist() for t in first.turns] == [t.tokens.tolist() for t in again.turns]
     assert len(single.turns) == 1 and single.stop_reason == "done"
-    assert completion(single, TOK) == TOK.decode(single.turns[0].tokens)  # nothing observed after it
+    assert completion(single, TOK) == TOK.text(single.turns[0].tokens)  # nothing observed after it

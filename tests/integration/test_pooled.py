@@ -16,8 +16,9 @@ from plexrl.models import TINY_MODEL, CharTokenizer
 from plexrl.rollout import play, trajectory_batch, turn_params
 from plexrl.rollout.agent import Tool
 from plexrl.tasks import Problem, get_task
+from plexrl.text import Renderer
 
-TOK = CharTokenizer()
+TOK = Renderer(CharTokenizer())
 SEARCH = get_task("search")
 PROBLEMS = SEARCH.eval_set()[:6]
 SPEC = {"model": TINY_MODEL, "lora": plexrl.LoRA(rank=4), "optimizer": plexrl.AdamW(lr=5e-2), "seed": 5}
@@ -97,9 +98,9 @@ async def test_pooled_turns_run_in_their_buckets_and_the_job_learns_as_colocated
             assert 0 < on_2 <= buckets_run.count(1)
             assert after["local-0"] - before["local-0"] == 2 * 3  # forward_backward, optim_step, sync_weights
             # A trajectory whose tool failed moves down a level: its next turn goes to bucket 1.
-            traj = pooled.trajectory(TOK.encode(PROBLEMS[0].prompt), max_turns=3)
+            traj = pooled.trajectory(TOK.prompt(PROBLEMS[0].prompt), max_turns=3)
             assert await traj.generate(turn_params(SEARCH, TOK)) is not None
-            traj.observe(TOK.encode("<information>error</information>", bos=False), ok=False)
+            traj.observe(TOK.observation("<information>error</information>"), ok=False)
             second = await traj.generate(turn_params(SEARCH, TOK))
             assert second is not None and second.weight_version == 2
             moved = await _calls_by_worker(client)

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from plexrl.models import CharTokenizer
-from plexrl.models.tokenizer import EOS_TOKEN
 from plexrl.tasks import EVAL_SIZE, TASKS, Problem, Task, get_task
 
 TASK_NAMES = sorted(TASKS)
@@ -87,21 +86,20 @@ def test_the_right_answer_scores_one_and_a_wrong_one_zero(task: Task) -> None:
     assert task.score(problem, "") == 0.0
 
 
-def test_scoring_ignores_whitespace_and_anything_after_eos(task: Task) -> None:
+def test_scoring_ignores_surrounding_whitespace(task: Task) -> None:
     problem = task.eval_set()[0]
     assert task.score(problem, f" {problem.answer} \n") == 1.0
-    assert task.score(problem, f"{problem.answer}{EOS_TOKEN}9x{EOS_TOKEN}") == 1.0
-    assert task.score(problem, f"{EOS_TOKEN}{problem.answer}") == 0.0
+    assert task.score(problem, f"{problem.answer} 9x") == 0.0
 
 
 def test_every_problem_encodes_and_its_answer_fits_the_tasks_token_budget(task: Task) -> None:
     tok = CharTokenizer()
     for p in [*task.eval_set(), *task.sample(500, np.random.default_rng(0))]:
-        answer = [*tok.encode(p.answer, bos=False), tok.eos_id]
+        answer = [*tok.encode(p.answer, add_special_tokens=False), tok.eos_token_id]
         ids = [*tok.encode(p.prompt), *answer]
         assert len(answer) <= task.max_tokens
         assert len(tok.encode(p.prompt)) + task.max_tokens <= MODEL_POSITIONS
-        assert tok.decode(ids) == p.prompt + p.answer
+        assert tok.decode(ids, skip_special_tokens=True) == p.prompt + p.answer
 
 
 def test_sum_checks_only_the_final_total() -> None:
@@ -110,7 +108,6 @@ def test_sum_checks_only_the_final_total() -> None:
     assert task.score(problem, "12+7=20,20+45=65,65+2=67>67") == 1.0  # slips that cancel: the verifier sees 67
     assert task.score(problem, "12+7=19,19+45=64,64+3=68>68") == 0.0
     assert task.score(problem, "67") == 0.0  # no answer mark
-    assert task.score(problem, f"x>67{EOS_TOKEN}>1") == 1.0  # cut at EOS
 
 
 def test_sum_solutions_have_a_heavy_tailed_length() -> None:

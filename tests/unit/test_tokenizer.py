@@ -14,8 +14,8 @@ TEXTS = ["123+45=168", "rev:abc de=", " a  b ", "", "(1+2)*3/4-5:>,", "User: Wha
 
 def test_special_ids_and_vocabulary_match_the_model_config() -> None:
     tok = CharTokenizer()
-    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
-    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (
         TINY_CONFIG["pad_token_id"],
         TINY_CONFIG["bos_token_id"],
         TINY_CONFIG["eos_token_id"],
@@ -27,16 +27,16 @@ def test_special_ids_and_vocabulary_match_the_model_config() -> None:
 def test_decode_inverts_encode(text: str) -> None:
     tok = CharTokenizer()
     ids = tok.encode(text)
-    assert ids[0] == tok.bos_id
-    assert tok.encode(text, bos=False) == ids[1:]
-    assert tok.decode(ids) == text
+    assert ids[0] == tok.bos_token_id
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids, skip_special_tokens=True) == text
 
 
-def test_decode_stops_at_eos_unless_told_not_to() -> None:
+def test_decode_spells_special_tokens_unless_told_to_skip_them() -> None:
     tok = CharTokenizer()
-    ids = [*tok.encode("12"), tok.eos_id, *tok.encode("3", bos=False), tok.pad_id]
-    assert tok.decode(ids) == "12"
-    assert tok.decode(ids, stop_at_eos=False) == f"12{EOS_TOKEN}3"
+    ids = [*tok.encode("12"), tok.eos_token_id, *tok.encode("3", add_special_tokens=False), tok.pad_token_id]
+    assert tok.decode(ids) == f"<bos>12{EOS_TOKEN}3<pad>"
+    assert tok.decode(ids, skip_special_tokens=True) == "123"
 
 
 def test_every_id_decodes_and_unused_ones_are_visible() -> None:
@@ -61,13 +61,16 @@ def _assert_hf_matches(model_dir: Path | str) -> None:
 
     tok = CharTokenizer()
     hf = AutoTokenizer.from_pretrained(model_dir)
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     assert len(hf) == tok.vocab_size
     for text in _hf_texts():
         ids = tok.encode(text)
         assert hf(text)["input_ids"] == ids
         assert hf.decode(ids, skip_special_tokens=True) == text
-    assert hf.decode([*tok.encode("42"), tok.eos_id, VOCAB_SIZE - 1], skip_special_tokens=True) == (
+        with_eos = [*ids, tok.eos_token_id]
+        for skip in (False, True):  # what a sampled completion decodes to, either way
+            assert hf.decode(with_eos, skip_special_tokens=skip) == tok.decode(with_eos, skip_special_tokens=skip)
+    assert hf.decode([*tok.encode("42"), tok.eos_token_id, VOCAB_SIZE - 1], skip_special_tokens=True) == (
         f"42<unused{VOCAB_SIZE - 1}>"
     )
 

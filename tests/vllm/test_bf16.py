@@ -30,6 +30,7 @@ from plexrl.protocol.calls import (
     OptimStep,
     SyncWeights,
 )
+from plexrl.text import stop_index
 from plexrl.types import AdamW, Batch, LoRA, Ragged, Sample, SamplingParams
 from plexrl.worker.sampler import vllm as vllm_sampler
 
@@ -118,3 +119,22 @@ def test_a_prompt_beyond_the_engines_max_model_len_is_a_batch_shape_error(
     with pytest.raises(BatchShapeError, match=f"max_model_len={MAX_MODEL_LEN}"):
         engine.execute("short", Generate(prompt, SamplingParams(max_tokens=16)))
     assert engine.vllm_sampler(str(qwen3_shaped_model)).max_model_len == MAX_MODEL_LEN
+
+
+def test_a_stop_string_ends_a_bpe_completion_inside_or_across_tokens(engine: Engine, qwen3_shaped_model: Path) -> None:
+    """With the model's BPE tokenizer beside it, vLLM matches a stop string on the decoded text:
+    one spanning two sampled tokens ends the row at the second, as ``plexrl.text.stop_index``
+    (the reference) says, and the row is the unstopped one's prefix (same seed)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_shaped_model)
+    engine.execute("stops", Open(JobSpec(model=str(qwen3_shaped_model), lora=LoRA(rank=4))))
+    free = generate(engine, "stops", max_tokens=16, seed=3)
+    tokens = free.tokens[0].tolist()
+    texts = [tok.decode([t]) for t in tokens]
+    j = next(i for i in range(4, len(texts)) if len(texts[i - 1]) >= 2 and len(texts[i]) >= 2)
+    stop = texts[j - 1][-2:] + texts[j][:2]  # ends inside token j, begins inside token j - 1
+    k = stop_index(tok.decode, tokens, [stop])
+    assert k is not None and k <= j + 1
+    cut = generate(engine, "stops", max_tokens=16, seed=3, stop=(stop,))
+    assert cut.tokens[0].tolist() == tokens[:k] and cut.finish_reasons[0] == "stop"

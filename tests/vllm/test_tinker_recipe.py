@@ -1,7 +1,7 @@
 """A real Tinker cookbook recipe, unmodified, through the gateway: two copies of
 ``tinker_cookbook.recipes.math_rl.train env=arithmetic`` on ``tiny-arith-chat`` under different API
 keys at once, on one vLLM worker under ``plex``. Each must finish with its metrics and checkpoints
-written and well-formed replies (the renderer's stop sequence cut by the gateway) among its
+written and well-formed replies (ended at the renderer's stop sequence by the sampler) among its
 samples; their training clients must be two plexrl jobs, one per key, open at the same time on
 the one worker. And the ``chat`` task's prompts are exactly what the cookbook renders.
 
@@ -127,5 +127,5 @@ def test_the_chat_tasks_prompts_are_what_the_cookbook_renders() -> None:
         assert rendered.to_ints() == CharTokenizer().encode(problem.prompt)
         env = ArithmeticEnv(int(match[1]), int(match[2]), renderer)
         assert env.check_answer(
-            renderer.parse_response(CharTokenizer().encode(problem.answer, bos=False))[0]["content"]
+            renderer.parse_response(CharTokenizer().encode(problem.answer, add_special_tokens=False))[0]["content"]
         )

@@ -502,3 +502,23 @@ def test_a_merged_export_served_by_vllm_samples_as_its_job_did(engines: tuple[En
 
 def rows(r: Ragged) -> list[list[int]]:
     return [row.tolist() for row in r]
+
+
+def test_a_stop_string_ends_a_completion_at_the_token_completing_it_in_both_samplers(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """``SamplingParams.stop`` is matched on the decoded text by both samplers (vLLM's detokenizer,
+    transformers' stop-string criteria): greedy, the row is the unstopped one cut after the token
+    that completes the string, with its logprobs, and it finished by "stop"."""
+    prompts = _prompts("sum:12+7+45+3=")
+    free, _ = _both(engines, {"add": Generate(prompts=prompts, params=SamplingParams(max_tokens=24, temperature=0.0))})
+    tokens = free["add"].tokens[0].tolist()
+    text = TOK.decode(tokens, skip_special_tokens=True)
+    assert len(text) >= 8, text
+    stop = text[5:8]  # three tokens of the character tokenizer
+    k = text.index(stop) + len(stop)
+    cut = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))
+    out_v, out_h = _both(engines, {"add": Generate(prompts=prompts, params=cut)})
+    for out in (out_v["add"], out_h["add"]):
+        assert out.tokens[0].tolist() == tokens[:k] and out.finish_reasons == ["stop"]
+        np.testing.assert_allclose(out.logprobs[0], free["add"].logprobs[0][:k], atol=ATOL)

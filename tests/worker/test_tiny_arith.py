@@ -31,7 +31,7 @@ def test_the_config_is_the_documented_one(model: Any) -> None:
     for key, value in ARITH_CONFIG.items():
         assert getattr(model.config, key) == value, key
     assert model.config.hidden_size // model.config.num_attention_heads in (32, 64)
-    assert model.generation_config.eos_token_id == CharTokenizer.eos_id
+    assert model.generation_config.eos_token_id == CharTokenizer.eos_token_id
 
 
 def test_greedy_add_is_partially_right_on_held_out_problems(model: Any) -> None:
@@ -41,6 +41,6 @@ def test_greedy_add_is_partially_right_on_held_out_problems(model: Any) -> None:
     with torch.no_grad():
         for p in problems:
             prompt = torch.tensor([tok.encode(p.prompt)])
-            out = model.generate(prompt, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_id)
-            scores.append(task.score(p, tok.decode(out[0, prompt.shape[1] :].tolist())))
+            out = model.generate(prompt, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id)
+            scores.append(task.score(p, tok.decode(out[0, prompt.shape[1] :].tolist(), skip_special_tokens=True)))
     assert 0.0 < sum(scores) / len(scores) < 1.0

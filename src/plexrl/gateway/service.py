@@ -94,7 +94,6 @@ class Gateway:
         self._paths: dict[str, tuple[Model, int]] = {}  # tinker://... sampler weights -> (model, version)
         self._base_jobs: dict[tuple[str, str], Job] = {}  # (owner, base model) -> its never-trained job
         self._opening: dict[tuple[str, str], asyncio.Future[Job]] = {}
-        self._tokenizers: dict[str, Any] = {}
         self._jobs_opened = 0
 
     # -- sessions -------------------------------------------------------------------------------
@@ -319,15 +318,12 @@ class Gateway:
         params = SamplingParams(
             n=int(request.get("num_samples", 1)), max_tokens=max_tokens, temperature=float(p.get("temperature", 1.0)),
             top_p=float(p.get("top_p", 1.0)), top_k=max(0, int(p.get("top_k", -1))), stop_token_ids=stop_ids,
-            seed=p.get("seed"), min_tokens=max_tokens if stop == [] else 0,
+            stop=tuple(stop_texts), seed=p.get("seed"), min_tokens=max_tokens if stop == [] else 0,
         )  # fmt: skip
         generated = sampler.job.generate([prompt], params)
         logprobs = sampler.job.logprobs([prompt]) if request.get("prompt_logprobs") and len(prompt) > 1 else None
         out = await generated
         sequences = [(s.tokens, s.logprobs, "stop" if s.finish_reason == "stop" else "length") for s in out.samples]
-        if stop_texts:
-            tokenizer = await self._tokenizer(sampler.base_model)
-            sequences = [_cut_at(tokenizer, tokens, lps, reason, stop_texts) for tokens, lps, reason in sequences]
         prompt_logprobs = None
         if request.get("prompt_logprobs"):
             rest = (await logprobs).logprobs[0] if logprobs is not None else np.zeros(0, np.float32)
@@ -360,13 +356,6 @@ class Gateway:
             self._opening[key] = asyncio.ensure_future(self._open(owner, "tinker.base", spec))
         return await self._opening[key]
 
-    async def _tokenizer(self, base_model: str) -> Any:
-        if base_model not in self._tokenizers:
-            from transformers import AutoTokenizer
-
-            self._tokenizers[base_model] = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_model)
-        return self._tokenizers[base_model]
-
     async def close(self) -> None:
         for session in list(self.sessions.values()):
             await self.finish(session.owner, session.session_id)
@@ -382,15 +371,3 @@ def _checkpoint(model_id: str, name: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name):
         raise InvalidRequestError(f"checkpoint name {name!r}: use letters, digits, '_', '.', '-'")
     return f"tinker/{re.sub(r'[^A-Za-z0-9_.-]', '_', model_id)}/{name}"
-
-
-def _cut_at(
-    tokenizer: Any, tokens: np.ndarray, logprobs: np.ndarray, reason: str, stops: list[str]
-) -> tuple[np.ndarray, np.ndarray, str]:
-    """A completion cut after the first token whose text completes one of ``stops`` (Tinker's
-    string stops; the sampler stops on token ids only)."""
-    for k in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:k].tolist())
-        if any(s in text for s in stops):
-            return tokens[:k], logprobs[:k], "stop"
-    return tokens, logprobs, reason

@@ -136,7 +136,7 @@ def train(recipe: Recipe, start: float) -> tuple[Any, int]:
             for name, n in counts.items()
             for p in _training_problems(TASKS[name], n, rng, validation[name])
         ]
-        loss = _train_step(model, rows, recipe.tokens_per_micro_batch, tok.pad_id)
+        loss = _train_step(model, rows, recipe.tokens_per_micro_batch, tok.pad_token_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -196,10 +196,10 @@ def _training_row(task: Task, problem: Problem, tok: CharTokenizer) -> tuple[lis
     ids = tok.encode(problem.prompt)
     learned = [False] * len(ids)
     for text, learn in task.segments(problem):
-        piece = tok.encode(text, bos=False)
+        piece = tok.encode(text, add_special_tokens=False)
         ids += piece
         learned += [learn] * len(piece)
-    return [*ids, tok.eos_id], [*learned, True]
+    return [*ids, tok.eos_token_id], [*learned, True]
 
 
 def _train_step(
@@ -261,7 +261,7 @@ def complete(
     from transformers import GenerationConfig
 
     tok = CharTokenizer()
-    stops = {tok.eos_id, *stop_ids}
+    stops = {tok.eos_token_id, *stop_ids}
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
     order = sorted(range(len(prompts)), key=lambda i: (max_new_tokens[i], len(prompts[i])))
     completions: list[list[int]] = [[] for _ in prompts]
@@ -273,12 +273,12 @@ def complete(
                 max_new_tokens=max(max_new_tokens[i] for i in chunk),
                 do_sample=temperature > 0,
                 eos_token_id=sorted(stops),
-                pad_token_id=tok.pad_id,
+                pad_token_id=tok.pad_token_id,
                 **sampling,
             )
             encoded = [prompts[i] for i in chunk]
             T = max(len(e) for e in encoded)
-            ids_B_T = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in encoded])
+            ids_B_T = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in encoded])
             attention_B_T = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in encoded])
             out = model.generate(input_ids=ids_B_T, attention_mask=attention_B_T, generation_config=config)
             for i, row in zip(chunk, out[:, T:].tolist(), strict=True):
@@ -298,7 +298,7 @@ def respond_all(
     contexts = [tok.encode(p.prompt) for p in problems]
     if task.turn_end is None:
         return complete(model, contexts, temperature, budgets, seed)
-    (turn_end,) = tok.encode(task.turn_end, bos=False)
+    (turn_end,) = tok.encode(task.turn_end, add_special_tokens=False)
     responses: list[list[int]] = [[] for _ in problems]
     active = list(range(len(problems)))
     for turn in range(task.max_turns):
@@ -308,9 +308,9 @@ def respond_all(
         for i, out in zip(active, outs, strict=True):
             responses[i] += out
             if out and out[-1] == turn_end and len(responses[i]) < budgets[i]:
-                observation = task.respond(problems[i], tok.decode(responses[i]))
+                observation = task.respond(problems[i], tok.decode(responses[i], skip_special_tokens=True))
                 if observation is not None:
-                    ids = tok.encode(observation, bos=False)[: budgets[i] - len(responses[i])]
+                    ids = tok.encode(observation, add_special_tokens=False)[: budgets[i] - len(responses[i])]
                     responses[i] += ids
                     contexts[i] = contexts[i] + out + ids
                     going.append(i)
@@ -324,14 +324,14 @@ def greedy_accuracy(model: Any, task: Task, problems: list[Problem]) -> float:
     """Greedy accuracy, each answer given the reference's length and a few tokens to spare (a
     longer one is not the worked solution): cheap enough to check long tasks often."""
     tok = CharTokenizer()
-    budgets = [min(task.max_tokens, len(tok.encode(p.answer, bos=False)) + 4) for p in problems]
+    budgets = [min(task.max_tokens, len(tok.encode(p.answer, add_special_tokens=False)) + 4) for p in problems]
     completions = respond_all(model, task, problems, 0.0, budgets)
     return float(np.mean(_scores(task, problems, completions)))
 
 
 def _scores(task: Task, problems: list[Problem], completions: list[list[int]]) -> list[float]:
     tok = CharTokenizer()
-    return [task.score(p, tok.decode(c)) for p, c in zip(problems, completions, strict=True)]
+    return [task.score(p, tok.decode(c, skip_special_tokens=True)) for p, c in zip(problems, completions, strict=True)]
 
 
 def evaluate(model: Any, task: Task, seed: int) -> Scores:
@@ -361,9 +361,9 @@ def save(model: Any, out: Path) -> None:
     hf_logging.disable_progress_bar()
     tok = CharTokenizer()
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         max_new_tokens=max(task.max_tokens for task in TASKS.values()),
     )
     model.save_pretrained(out, safe_serialization=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
-EOS_TOKEN = "<eos>"  # how ``decode(..., stop_at_eos=False)`` renders EOS; task scoring cuts there
+EOS_TOKEN = "<eos>"  # how ``decode(ids)`` renders EOS (``skip_special_tokens=True`` drops it)
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2: TINY_CONFIG's pad, bos, eos
 
 # Every character the tasks use, ids 3.. in this order, then (ids 52-58, appended after tiny-arith
@@ -30,12 +30,15 @@ class CharTokenizer:
     """Text to token ids and back, one id per character of :data:`ALPHABET`.
 
     Ids 0-2 are pad, bos and eos; the ids after the alphabet, up to :data:`VOCAB_SIZE`, are
-    :data:`RESERVED_TOKENS`: never produced by ``encode``, decoded as ``<unusedN>``.
+    :data:`RESERVED_TOKENS`: never produced by ``encode``, decoded as ``<unusedN>``. Its methods
+    and attributes are those of a transformers tokenizer (``plexrl.text.Tokenizer``), so whatever
+    takes one takes the other.
     """
 
-    pad_id = 0
-    bos_id = 1
-    eos_id = 2
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    chat_template = None  # the shipped model reads plain text (``plexrl.text.Renderer`` says how)
 
     def __init__(self) -> None:
         self._id_of = {ch: i for i, ch in enumerate(ALPHABET, start=len(SPECIAL_TOKENS))}
@@ -45,9 +48,9 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self._char_of)
 
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Token ids of ``text``, led by BOS unless ``bos=False``; no EOS is added."""
-        ids = [self.bos_id] if bos else []
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, led by BOS unless ``add_special_tokens=False``; no EOS is added."""
+        ids = [self.bos_token_id] if add_special_tokens else []
         for ch in text:
             i = self._id_of.get(ch)
             if i is None:
@@ -55,25 +58,20 @@ class CharTokenizer:
             ids.append(i)
         return ids
 
-    def decode(self, ids: Iterable[int], stop_at_eos: bool = True) -> str:
-        """The text of ``ids``, skipping BOS and padding; ends at the first EOS unless told not to.
-
-        With ``stop_at_eos=False`` each EOS is rendered as :data:`EOS_TOKEN`.
-        """
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``: pad, bos and eos as :data:`SPECIAL_TOKENS` spell them, or left
+        out with ``skip_special_tokens=True``."""
         chars = []
-        for i in ids:
+        for i in token_ids:
             i = int(i)
-            if i == self.eos_id and stop_at_eos:
-                break
-            if i in (self.bos_id, self.pad_id):
-                continue
             ch = self._char_of.get(i)
             if ch is None:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-            chars.append(ch)
+            if not (skip_special_tokens and i < len(SPECIAL_TOKENS)):
+                chars.append(ch)
         return "".join(chars)
 
-    def vocab(self) -> dict[str, int]:
+    def get_vocab(self) -> dict[str, int]:
         """Token string to id, special tokens included."""
         return {tok: i for i, tok in self._char_of.items()}
 
@@ -96,14 +94,14 @@ def write_hf_tokenizer(path: str | Path, tokenizer: CharTokenizer | None = None)
     path.mkdir(parents=True, exist_ok=True)
     vocab = {
         (token if token in SPECIAL_TOKENS or token in RESERVED_TOKENS else _byte_level(token)): i
-        for token, i in tok.vocab().items()
+        for token, i in tok.get_vocab().items()
     }
     hf = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     hf.normalizer = normalizers.NFC()
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
     hf.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, tok.bos_id)]
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, tok.bos_token_id)]
     )
     hf.add_special_tokens(list(SPECIAL_TOKENS))
     hf.add_tokens(list(RESERVED_TOKENS))  # not special: decoding keeps them, as CharTokenizer does

@@ -2,8 +2,8 @@
 
     async with plexrl.job("agent", model=path, lora=lora, max_staleness=1) as job:
         async def group(index):                           # one GRPO group: n trajectories, scored
-            trajs = await asyncio.gather(*(play(job, task, problem(index), params, tok) for _ in range(8)))
-            return trajs, [task.score(problem(index), completion(t, tok)) for t in trajs]
+            trajs = await asyncio.gather(*(play(job, task, problem(index), params, renderer) for _ in range(8)))
+            return trajs, [task.score(problem(index), completion(t, renderer)) for t in trajs]
         async for step in train_async(job, group, groups_per_step=4, steps=20):
             print(step.version, step.result.metrics["staleness_max"])
 

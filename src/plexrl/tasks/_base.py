@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
-from plexrl.models.tokenizer import EOS_TOKEN, CharTokenizer
+from plexrl.models.tokenizer import CharTokenizer
+from plexrl.text import Renderer
 from plexrl.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,23 +88,20 @@ class Task(ABC):
         return True
 
     def score(self, problem: Problem, completion: str) -> float:
-        """1.0 iff the completion, cut at EOS and stripped of whitespace, is exactly the answer
-        (a task whose answer is a worked solution checks only its final result)."""
-        return 1.0 if completion.split(EOS_TOKEN, 1)[0].strip() == problem.answer else 0.0
+        """1.0 iff the completion (its text without special tokens: ``Renderer.text``), stripped of
+        whitespace, is exactly the answer (a task whose answer is a worked solution checks only its
+        final result)."""
+        return 1.0 if completion.strip() == problem.answer else 0.0
 
 
 class _Generates(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Awaitable[Generated]: ...
 
 
-async def held_out_reward(
-    job: _Generates, task: Task, max_tokens: int, tokenizer: CharTokenizer | None = None
-) -> float:
+async def held_out_reward(job: _Generates, task: Task, max_tokens: int, renderer: Renderer | None = None) -> float:
     """Mean reward of ``job``'s greedy answers on ``task``'s held-out problems (how the demo and
-    the benchmarks say a job learned)."""
-    tok = tokenizer or CharTokenizer()
+    the benchmarks say a job learned); ``renderer``: the model's (default: the shipped tokenizer's)."""
+    r = renderer or Renderer(CharTokenizer())
     problems = task.eval_set()
-    out = await job.generate(
-        [tok.encode(p.prompt) for p in problems], SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    )
-    return float(np.mean([task.score(problems[s.prompt_index], tok.decode(s.tokens)) for s in out.samples]))
+    out = await job.generate([r.prompt(p.prompt) for p in problems], r.turn(max_tokens=max_tokens, temperature=0.0))
+    return float(np.mean([task.score(problems[s.prompt_index], r.text(s.tokens)) for s in out.samples]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from plexrl.models.tokenizer import EOS_TOKEN
 from plexrl.tasks._base import Problem, Task
 
 STOP = "\n\nUser:"  # the role_colon renderer's stop sequence
@@ -31,5 +30,5 @@ class ChatAdd(Task):
         return Problem(prompt=f"{EXAMPLE}User: What is {x} + {y}?\n\nAssistant:", answer=f" {x + y}{STOP}")
 
     def score(self, problem: Problem, completion: str) -> float:
-        """1.0 iff the reply, cut at EOS and stripped of whitespace, is the sum and the stop sequence."""
-        return 1.0 if completion.split(EOS_TOKEN, 1)[0].strip() == problem.answer.strip() else 0.0
+        """1.0 iff the reply, stripped of whitespace, is the sum and the stop sequence."""
+        return 1.0 if completion.strip() == problem.answer.strip() else 0.0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from plexrl.models.tokenizer import EOS_TOKEN
 from plexrl.tasks._base import Problem, Task
 
 MAX_TERMS = 32
@@ -31,11 +30,10 @@ def worked_sum(terms: list[int]) -> str:
 
 
 def final_answer(completion: str) -> str | None:
-    """The number after the solution's last ``>`` (cut at EOS), or None when there is none."""
-    text = completion.split(EOS_TOKEN, 1)[0]
-    if ANSWER_MARK not in text:
+    """The number after the solution's last ``>``, or None when there is none."""
+    if ANSWER_MARK not in completion:
         return None
-    return text.rsplit(ANSWER_MARK, 1)[1].strip()
+    return completion.rsplit(ANSWER_MARK, 1)[1].strip()
 
 
 class ChainSum(Task):

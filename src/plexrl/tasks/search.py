@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plexrl.models.tokenizer import EOS_TOKEN
 from plexrl.tasks._base import Problem, Task
 
 TOP_K = 2  # documents per search result
@@ -204,7 +203,7 @@ class SearchQA(Task):
 
     def score(self, problem: Problem, completion: str) -> float:
         """1.0 iff the response ends with its ``<answer>`` (then EOS) and that answer matches."""
-        response = completion.split(EOS_TOKEN, 1)[0].strip()
+        response = completion.strip()
         got, want = last_answer(response), last_answer(problem.answer)
         if got is None or want is None or not response.endswith("</answer>"):
             return 0.0

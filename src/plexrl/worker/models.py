@@ -9,6 +9,7 @@ Either way ``BaseModel.reference()`` is the untouched base, the reference for th
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from plexrl.errors import BatchShapeError, ModelNotFoundError
+from plexrl.errors import BatchShapeError, ModelNotFoundError, TokenizerError
 from plexrl.types import Ragged
 
 
@@ -35,6 +36,14 @@ class BaseModel:
     linear_names: frozenset[str]  # what a LoRA may target: q_proj, v_proj, ... (not lm_head)
     dtype: torch.dtype  # the compute dtype its frozen weights are stored in
     adapters: Any = field(default=None)  # the shared peft PeftModel while a LoRA job is open
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The directory's transformers tokenizer (what the hf sampler matches stop strings with)."""
+        require_tokenizer(self.path)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +105,18 @@ class BaseModel:
                 f"{what}: token ids must be in [0, {self.vocab_size}) for {self.path}, "
                 f"got range [{values.min()}, {values.max()}]"
             )
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a model directory holds a transformers tokenizer (fast or sentencepiece)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
+
+
+def require_tokenizer(path: str) -> None:
+    """Raise ``TokenizerError`` unless ``path`` has a tokenizer: stop strings are matched with it."""
+    if not has_tokenizer(path):
+        raise TokenizerError(f"stop strings need tokenizer files (tokenizer.json) in {path}; save the "
+                             "tokenizer beside the model, or stop on stop_token_ids")  # fmt: skip
 
 
 class ModelCache:

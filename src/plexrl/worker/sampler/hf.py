@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from plexrl.protocol.calls import Generated
+from plexrl.text import stop_index
 from plexrl.types import Ragged, SamplingParams
 from plexrl.worker.models import seeded
 from plexrl.worker.trainer.forward import target_logprobs
@@ -31,11 +32,14 @@ def generate(
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
     weight_version: int,
+    tokenizer: Any = None,
     chunk_elements: int | None = 1 << 25,
     tick: Callable[[], None] = lambda: None,
 ) -> Generated:
     """``params.n`` completions per prompt, in prompt-major order; prompts must be validated.
-    ``tick`` is called once per decoding step (the worker's progress)."""
+    ``tokenizer``: the model's, for ``params.stop`` (transformers stops a row at a stop string;
+    it is cut after the token completing it). ``tick`` is called once per decoding step (the
+    worker's progress)."""
     from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
     class Ticking(StoppingCriteria):
@@ -57,6 +61,7 @@ def generate(
         eos_token_id=sorted({*stop_token_ids, *params.stop_token_ids}) or None,
         pad_token_id=pad_token_id,
         return_dict_in_generate=True,
+        stop_strings=list(params.stop) or None,
         **sampling,
     )
     model.eval()
@@ -66,9 +71,14 @@ def generate(
             attention_mask=attention_B_T,
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([Ticking()]),
+            **({"tokenizer": tokenizer} if params.stop else {}),
         )
     new_B_N = out.sequences[:, input_ids_B_T.shape[1] :].cpu()
     rows, finished = _trim(new_B_N, {*stop_token_ids, *params.stop_token_ids})
+    for i, row in enumerate(rows):  # a row that met a stop string ran on in padding: cut it there
+        k = stop_index(tokenizer.decode, row.tolist(), params.stop) if params.stop else None
+        if k is not None:
+            rows[i], finished[i] = row[:k], True
     logps = _logprobs(model, prompts, rows, params.n // copies, 1.0 if greedy else params.temperature, chunk_elements)
     if copies > 1:
         rows = [r for r in rows for _ in range(copies)]

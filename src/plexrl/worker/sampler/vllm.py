@@ -47,6 +47,7 @@ from plexrl.errors import CallFailedError, InvalidRequestError, SamplerUnavailab
 from plexrl.names import EngineSleep
 from plexrl.protocol.calls import Generated
 from plexrl.types import Ragged, SamplingParams
+from plexrl.worker.models import has_tokenizer
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import cpu_lora, extension
 from plexrl.worker.sampler.adapters import AdapterRegistry, AdapterVersion, AdapterWeights, FairAdmission
@@ -234,7 +235,9 @@ class VllmSampler:
             ) from e
         args = AsyncEngineArgs(
             model=self.model_path,
-            skip_tokenizer_init=True,
+            # Prompts arrive as token ids; the tokenizer only matches stop strings (requests without
+            # them are not detokenized). A directory without one samples on stop_token_ids alone.
+            skip_tokenizer_init=not has_tokenizer(self.model_path),
             dtype=self.config.dtype,
             distributed_executor_backend="uni",  # the model runs in the engine's own process
             max_model_len=self.max_model_len,
@@ -411,9 +414,12 @@ class VllmSampler:
                 top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
                 stop_token_ids=stop,
+                # Matched on the detokenized text; the completing token is the last one returned.
+                stop=list(params.stop) or None,
+                include_stop_str_in_output=True,
                 seed=(seed + i) % (1 << 63),
                 logprobs=0,
-                detokenize=False,
+                detokenize=bool(params.stop),
                 output_kind=RequestOutputKind.FINAL_ONLY,  # one output with all n completions
             )
             for i in range(len(prompts))
@@ -424,7 +430,7 @@ class VllmSampler:
         # under one version of a job's weights is never reused under another, by construction
         # rather than by remembering to reset the cache after every refit.
         salt = f"{key}@v{weight_version}"
-        run = functools.partial(self._run, rows, vparams, ids, priority, set(stop), params.n, weight_version, salt)
+        run = functools.partial(self._run, rows, vparams, ids, priority, params.n, weight_version, salt)
         return asyncio.run_coroutine_threadsafe(self._sample(key, weight_version, run), self._loop)
 
     async def _sample(
@@ -455,7 +461,6 @@ class VllmSampler:
         vparams: list[Any],
         ids: list[str],
         priority: int,
-        stop: set[int],
         n: int,
         weight_version: int,
         salt: str,
@@ -476,7 +481,7 @@ class VllmSampler:
                 toks = list(c.token_ids)
                 tokens.append(np.asarray(toks, dtype=np.int32))
                 logps.append(np.asarray([lp[t].logprob for t, lp in zip(toks, c.logprobs, strict=True)], np.float32))
-                reasons.append("stop" if toks and toks[-1] in stop else "length")
+                reasons.append("stop" if c.finish_reason == "stop" else "length")  # EOS, a stop id or string
         return Generated(
             tokens=Ragged.from_rows(tokens, "int32"),
             logprobs=Ragged.from_rows(logps, "float32"),

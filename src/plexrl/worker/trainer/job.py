@@ -57,7 +57,7 @@ from plexrl.protocol.calls import (
 from plexrl.types import AdamW, Batch, LossConfig, Ragged, SamplingParams
 from plexrl.worker import export
 from plexrl.worker.memory import planned_state_bytes
-from plexrl.worker.models import BaseModel
+from plexrl.worker.models import BaseModel, require_tokenizer
 from plexrl.worker.progress import Progress
 from plexrl.worker.sampler import hf
 from plexrl.worker.trainer import checkpoint
@@ -189,6 +189,8 @@ class WorkerJob:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids {bad} are outside the vocabulary [0, {self.base.vocab_size})"
             )
+        if params.stop:
+            require_tokenizer(self.base.path)
         # Generates arrive seeded (the client's Job, or the coordinator, seeds each by its index, so a
         # retry on another worker samples the same); this counter seeds the calls of in-process use.
         seed = generate_seed(self.spec.seed, self.generate_calls) if params.seed is None else params.seed
@@ -216,6 +218,7 @@ class WorkerJob:
                 seed=seed,
                 stop_token_ids=self.base.stop_token_ids,
                 pad_token_id=self.base.pad_token_id,
+                tokenizer=self.base.tokenizer if params.stop else None,
                 weight_version=self.weight_version,
                 chunk_elements=self.settings.chunk_elements,
                 tick=self.progress.tick,
