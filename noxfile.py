@@ -33,7 +33,7 @@ def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tin
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite, vLLM sampler and Tinker cookbook tests included (integration tests start real processes)."""
-    _install(session, vllm=True, extras="dev,tinker,cookbook,docs,ray")
+    _install(session, vllm=True, extras="dev,tinker,cookbook,docs,ray,openai")
     env = {"PLEXRL_REQUIRE_VLLM": "1"}
     if session.posargs:
         session.run("python", "-m", "pytest", *session.posargs, env=env)

@@ -43,9 +43,9 @@ class Tokenizer(Protocol):
     @property
     def bos_token_id(self) -> int | None: ...
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str | list[str]: ...
 
     def get_vocab(self) -> dict[str, int]: ...
 
@@ -76,9 +76,14 @@ class Renderer:
     """How a task's text becomes tokens for one tokenizer: as plain text (``chat=False``: the
     prompt is BOS and the text) or through the tokenizer's chat template (``chat=True``, the
     default when it has one: the prompt is a user turn and the generation prompt, a tool's answer a
-    ``tool`` turn). ``system``: a system message before every conversation (chat only)."""
+    ``tool`` turn). ``system``: a system message before every conversation (chat only).
+    ``turn_end``: a chat format whose assistant turns end with this text rather than an
+    end-of-turn token (Search-R1's newline); it must be one token that the tokenizer never
+    merges with its neighbours (a special token, or any token of a character tokenizer)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, chat: bool | None = None, system: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, chat: bool | None = None, system: str | None = None, turn_end: str | None = None
+    ) -> None:
         template = getattr(tokenizer, "chat_template", None)
         self.chat = bool(template) if chat is None else chat
         if self.chat and not template:
@@ -89,6 +94,12 @@ class Renderer:
         self.tokenizer = tokenizer
         self.system = system
         self.stop_token_ids = stop_token_ids(tokenizer)
+        if turn_end is not None:
+            ids = tokenizer.encode(turn_end, add_special_tokens=False)
+            if not self.chat or len(ids) != 1:
+                raise TokenizerError(f"turn_end={turn_end!r} must be one token ({ids}) of a chat format; end "
+                                     "plain-text turns with SamplingParams.stop instead")  # fmt: skip
+            self.stop_token_ids = tuple(sorted({*self.stop_token_ids, ids[0]}))
 
     def prompt(self, text: str) -> list[int]:
         """The tokens a first turn continues: ``text`` as the user's message, or as plain text."""
@@ -140,7 +151,8 @@ class Renderer:
 
     def text(self, tokens: Iterable[int]) -> str:
         """What a task scores: the text of ``tokens`` without special tokens (BOS, EOS, end of turn)."""
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+        text = self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+        return text if isinstance(text, str) else "".join(text)
 
     def _opening(self, text: str) -> list[Message]:
         system = [] if self.system is None else [{"role": "system", "content": self.system}]

@@ -15,7 +15,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import numpy as np
@@ -28,6 +28,10 @@ from plexrl.protocol import calls
 from plexrl.protocol.messages import JobInfo, TurnOf
 from plexrl.rollout.pipeline import Reward, Rollout
 from plexrl.types import AdamW, Batch, LoRA, LossConfig, Ragged, SamplingParams
+
+if TYPE_CHECKING:
+    from plexrl.endpoint import Endpoint
+    from plexrl.text import Renderer
 
 current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("plexrl_job", default=None)
 
@@ -129,6 +133,28 @@ class Job:
             max_tokens=max_tokens,
             turn_timeout_s=turn_timeout_s, timeout_s=timeout_s,
         )  # fmt: skip
+
+    def openai(
+        self,
+        renderer: Renderer | None = None,
+        *,
+        tool_parser: str = "hermes",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_tokens: int = 512,
+        trajectory_max_tokens: int | None = None,
+    ) -> Endpoint:
+        """An OpenAI-compatible endpoint for this job (``async with job.openai() as endpoint``):
+        ``/v1/chat/completions`` (tools parsed by ``tool_parser``: ``hermes`` or ``tags``),
+        ``/v1/completions`` and ``/v1/models`` at ``endpoint.base_url``, for ``endpoint.api_key``;
+        each session's turns recorded as a token-exact trajectory (``endpoint.finish(session)``).
+        ``renderer``: how messages become tokens (default: the model directory's tokenizer and chat
+        template, loaded here); ``max_tokens``: a reply's budget when a request names none;
+        ``trajectory_max_tokens``: a session's in all. See :mod:`plexrl.endpoint`."""
+        from plexrl.endpoint import Endpoint
+
+        return Endpoint(self, renderer, tool_parser=tool_parser, host=host, port=port, max_tokens=max_tokens,
+                        trajectory_max_tokens=trajectory_max_tokens)  # fmt: skip
 
     def logprobs(self, tokens: Prompts) -> asyncio.Future[calls.LogprobsResult]:
         rows = tokens if isinstance(tokens, Ragged) else Ragged.from_rows(tokens, "int32")

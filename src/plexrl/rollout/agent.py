@@ -11,7 +11,8 @@ front of it: while it waits, the job holds no accelerator.
 
 Through a chat template (``renderer.chat``) the problem is the user's message, a turn ends at the
 template's end-of-turn token instead of the task's ``turn_end``, and an observation is a ``tool``
-message; without one, turns end at ``turn_end`` (a stop string) and observations are plain text.
+message (a turn cut short by its token budget ends the episode: "truncated"); without one, turns
+end at ``turn_end`` (a stop string) and observations are plain text.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ async def play(
     traj = job.trajectory(prompt, max_turns=task.max_turns, max_tokens=len(prompt) + task.max_tokens)
     while True:
         this_turn = params if seed is None else msgspec.structs.replace(params, seed=seed + len(traj.turns))
-        if await traj.generate(this_turn) is None:
+        turn = await traj.generate(this_turn)
+        if turn is None:
+            break
+        if renderer.chat and turn.finish_reason != "stop":  # no end-of-turn: a tool turn cannot follow it
+            traj.stop("truncated")
             break
         start = time.monotonic()
         response = completion(traj, renderer)

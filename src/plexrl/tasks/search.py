@@ -128,14 +128,48 @@ def retriever() -> Retriever:
 
 def information(query: str) -> str:
     """What the environment appends after ``<search>query</search>``."""
-    found = retriever().search(query)
-    return "<information>" + (", ".join(d.text for d in found) or NO_RESULTS) + "</information>" + TURN_END
+    return "<information>" + search_text(query) + "</information>" + TURN_END
 
 
 def normalize(answer: str) -> str:
     """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
     text = "".join(ch for ch in answer.lower() if ch not in string.punctuation)
     return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+# The format as a chat (``tokenizer.chat_template = CHAT_TEMPLATE``, ``Renderer(..., turn_end=TURN_END)``,
+# the endpoint's ``tags`` tool parser): a user message is the question, an assistant's tool call
+# ``search(query)`` is ``<search>query</search>``, a tool message the ``<information>`` after it.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- 'ask:' + m.content + '=' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}{{- '<' + c.function.name + '>' + c.function.arguments + '</' + c.function.name + '>' }}"
+    "{%- endfor %}{{- '\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<information>' + m.content + '</information>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the corpus of facts (BM25); returns the best matching facts.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+
+
+def question(problem: Problem) -> str:
+    """The question of a problem (its prompt without the ``ask:`` and ``=`` around it)."""
+    return problem.prompt.removeprefix("ask:").removesuffix("=")
+
+
+def search_text(query: str) -> str:
+    """What a search for ``query`` finds, as the ``<information>`` shows it (without the tags)."""
+    return ", ".join(d.text for d in retriever().search(query)) or NO_RESULTS
 
 
 _SEARCH = re.compile(r"<search>(.*?)</search>")
