@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo" / "train.py"
-MARGIN = 0.08  # held-out reward must rise by at least this much (rev, seen: 0.775 -> 0.980 in 40 steps at seed 0)
-STEPS = 40  # rev's sampled reward is above 0.9 by then (the demo's 150 steps take four times as long)
+MARGIN = 0.08  # held-out reward must rise by at least this much (rev, seen: 0.775 -> 0.965 in 20 steps at seed 0)
+STEPS = 20  # rev's held-out reward is above 0.95 by then (the demo's 150 steps take seven times as long)
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen[bytes]:
@@ -59,7 +59,7 @@ def test_sharing_a_worker_with_two_other_jobs_does_not_change_learning(runs: dic
     # not depend on its neighbours (per-job RNG streams, per-job adapters and optimizers).
     assert shared["rev"]["initial"] == alone["rev"]["initial"]
     assert abs(shared["rev"]["final"] - alone["rev"]["final"]) <= 0.02, (shared["rev"], alone["rev"])
-    # The neighbours get no worse in 40 steps (seen: add 0.595 -> 0.595, mul 0.430 -> 0.460; the
+    # The neighbours get no worse in 20 steps (seen: add 0.595 -> 0.605, mul 0.430 -> 0.450; the
     # demo's 150 steps: add 0.595 -> 0.595, mul 0.430 -> 0.505).
     assert shared["mul"]["final"] >= shared["mul"]["initial"], shared["mul"]
     assert shared["add"]["final"] >= shared["add"]["initial"], shared["add"]
