@@ -55,6 +55,7 @@ async def main(args: argparse.Namespace) -> None:
     spec = {"model": TINY_MODEL, "lora": plexrl.LoRA(rank=args.rank), "optimizer": plexrl.AdamW(lr=args.lr),
             "seed": args.seed}  # fmt: skip
     sessions = itertools.count()
+    running = asyncio.Semaphore(args.concurrency)
     async with (
         cluster,
         plexrl.job("openai-agent", **spec) as job,
@@ -64,8 +65,9 @@ async def main(args: argparse.Namespace) -> None:
 
         async def episode(problem: Problem, temperature: float) -> tuple[plexrl.Trajectory, float]:
             session = f"e{next(sessions)}"
-            text = await agent.answer(client, job.name, question(problem), search, temperature=temperature,
-                                      extra_headers={"X-Session-Id": session})  # fmt: skip
+            async with running:  # as many agents at once as a harness would run
+                text = await agent.answer(client, job.name, question(problem), search, temperature=temperature,
+                                          extra_headers={"X-Session-Id": session})  # fmt: skip
             (traj,) = endpoint.finish(session)  # the agent never rewrites its history: one trajectory
             return traj, TASK.score(problem, text)
 
@@ -105,6 +107,7 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=64, help="agent episodes running at once")
     parser.add_argument("--held-out", type=int, default=200, help="held-out questions evaluated (of 200)")
     parser.add_argument("--coordinator", default="", help="a shared coordinator's address (default: embedded)")
     with contextlib.suppress(KeyboardInterrupt):

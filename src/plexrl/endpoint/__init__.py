@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PARSERS", "Endpoint", "tenant_token"]
 
+BACKLOG = 4096  # connections waiting to be accepted: a harness may open hundreds of sessions at once
+
 
 def tenant_token(credentials: Credentials | None) -> str:
     """The API key a tenant's endpoints take: an HMAC of its secret key (the same for all its
@@ -83,7 +85,7 @@ class Endpoint:
         app = make_app(self.sessions, model=self.job.name, api_key=self.api_key, max_tokens=self.max_tokens)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=BACKLOG)
         await site.start()
         self.port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]  # port 0: the one bound
         return self
