@@ -42,10 +42,13 @@ def tests(session: nox.Session) -> None:
         return
     # Two test files at a time (a file's module fixtures stay in one process; no test pins cores),
     # the in-process unit tests among those that start processes: most of the latter's time is
-    # processes starting and waiting on each other, which the unit tests fill. Two at once took the
-    # suite from about 25 to 15 minutes on a 2-core machine; three at once was slower there and
-    # made heartbeat-timed tests flaky. CI must stay under 30 minutes.
-    session.run("python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=12", env=env)
+    # processes starting and waiting on each other, which the unit tests fill. Files run in the
+    # order tests/conftest.py gives (the long ones first); xdist would otherwise start the files
+    # with the most tests first and leave the slow vLLM files, which have few, for the end. Two at
+    # once took the suite from about 25 to 15 minutes on a 2-core machine; three at once was slower
+    # there and made heartbeat-timed tests flaky. CI must stay under 30 minutes.
+    session.run("python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
+                "--durations=12", env=env)  # fmt: skip
 
 
 @nox.session
