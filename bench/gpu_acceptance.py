@@ -211,7 +211,9 @@ async def main(args: argparse.Namespace) -> bool:
             (worker,) = (await client.status(min_workers=1)).workers
             sampler = MemorySampler(worker.pid, args.device, args.sample_s)
             sampler.start()
-            print(f"worker {worker.name} on {worker.device}, engines {worker.engines}; running 8 LoRA + 1 full jobs")
+            print(
+                f"worker {worker.name} on {worker.device}, engines {worker.engines}; running {args.lora_jobs} LoRA + {args.full_jobs} full jobs"
+            )
             t0 = time.perf_counter()
             jobs = [(f"lora{i}", "lora") for i in range(args.lora_jobs)] + [("full0", "full")] * args.full_jobs
             outcomes = await asyncio.gather(

@@ -14,19 +14,6 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("search", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# The suite runs two files at a time (noxfile.py); the long ones first and the in-process unit
-# tests last, so the two runners finish together instead of one running a long file alone.
-_ORDER = ("vllm", "integration", "ray", "worker", "unit")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        folder = item.path.parent.name
-        return _ORDER.index(folder) if folder in _ORDER else len(_ORDER)
-
-    items.sort(key=rank)  # stable: each folder's tests keep their order
-
-
 # Workers default to vLLM where it is installed; the suite runs on the light transformers sampler
 # except where a test asks for vLLM (tests/vllm), so its results do not depend on what is installed.
 os.environ.setdefault("PLEXRL_SAMPLER", "hf")

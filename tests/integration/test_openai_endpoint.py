@@ -91,6 +91,16 @@ async def test_an_openai_agent_is_recorded_token_exactly_trained_on_and_other_te
                                           for i, p in enumerate(problems)))  # fmt: skip
             trajectories = [endpoint.finish(f"s{i}") for i in range(len(problems))]
 
+            # A plain completion is a one-turn trajectory of the prompt's own tokens.
+            prompt = problems[0].prompt
+            done = await client.completions.create(model="agent", prompt=prompt, max_tokens=32, temperature=0.0,
+                                                   extra_headers={"X-Session-Id": "plain"},
+                                                   extra_body={"return_token_ids": True})  # fmt: skip
+            (single,) = endpoint.finish("plain")
+            assert single.prompt.tolist() == r.tokenizer.encode(prompt, add_special_tokens=True)
+            assert done.choices[0].token_ids == single.turns[0].tokens.tolist()  # type: ignore[attr-defined]
+            assert done.choices[0].text == r.text(single.turns[0].tokens) != ""
+
             # Another tenant's token, and a made-up one, are refused.
             assert cluster.keys is not None
             bob = auth.Credentials.load(auth.add_key(cluster.keys, "bob", "client"), cluster.keys / "coordinator.key")

@@ -1,6 +1,6 @@
 """``bench/gpu_acceptance.py --device cpu --tiny``: the GPU acceptance script's every code path on
-CPU (8 LoRA GRPO jobs and a full fine-tune on one vLLM worker under plex), so the script a GPU
-session runs is known to work before a GPU is lent."""
+CPU (LoRA GRPO jobs, 3 here against the GPU run's 8, and a full fine-tune on one vLLM worker under
+plex), so the script a GPU session runs is known to work before a GPU is lent."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_acceptance.py"
 @pytest.mark.slow
 def test_the_gpu_acceptance_script_passes_its_dry_run_on_cpu() -> None:
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny"],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--lora-jobs", "3"],
         capture_output=True, text=True, timeout=900, check=False,
         env={**os.environ, "PLEXRL_SAMPLER": "vllm"},
     )  # fmt: skip

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from plexrl.endpoint.sessions import Reply, Sessions
@@ -124,12 +125,10 @@ def _params(request: web.Request, body: dict[str, Any]) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or request.app[CONFIG]["max_tokens"]
     params = renderer.turn(max_tokens=int(max_tokens), temperature=float(body.get("temperature", 1.0)),
                            stop=(stop,) if isinstance(stop, str) else tuple(stop))  # fmt: skip
-    top_p, seed = float(body.get("top_p", 1.0)), body.get("seed")
-    return SamplingParams(**{**_fields(params), "top_p": top_p, "seed": None if seed is None else int(seed)})
-
-
-def _fields(params: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(params, f) for f in params.__struct_fields__}
+    seed = body.get("seed")
+    return msgspec.structs.replace(
+        params, top_p=float(body.get("top_p", 1.0)), seed=None if seed is None else int(seed)
+    )
 
 
 def _extras(choice: dict[str, Any], body: dict[str, Any], reply: Reply) -> None:

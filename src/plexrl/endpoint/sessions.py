@@ -65,9 +65,6 @@ class Sessions:
         self._sessions: dict[str, Session] = {}
         self._calls = itertools.count()
 
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
     async def chat(
         self, session_id: str, messages: list[Message], tools: list[dict[str, Any]] | None, params: SamplingParams
     ) -> Reply:
